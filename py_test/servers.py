@@ -1,0 +1,81 @@
+"""Run the servicer as a real process (the CLI), for lifecycle tests."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import sys
+from dataclasses import dataclass, field
+
+READY = re.compile(r"ready on (\S+):(\d+)")
+# Runs the CLI with vLLM made unimportable, as on a machine without it.
+WITHOUT_VLLM = (
+    "import sys; sys.modules['vllm'] = None; "
+    "from vllm_router.cli import main; sys.argv[0] = 'vllm-servicer'; main()"
+)
+
+
+@dataclass
+class ServerProcess:
+    process: asyncio.subprocess.Process
+    port: int
+    log: list[str] = field(default_factory=list)
+    _pump: asyncio.Task[None] | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    async def wait(self, timeout: float) -> int:
+        code = await asyncio.wait_for(self.process.wait(), timeout)
+        if self._pump is not None:
+            await self._pump
+        return code
+
+    def kill(self) -> None:
+        if self.process.returncode is None:
+            self.process.kill()
+
+
+def command(*args: str, without_vllm: bool = False) -> list[str]:
+    if without_vllm:
+        return [sys.executable, "-c", WITHOUT_VLLM, *args]
+    return [sys.executable, "-m", "vllm_router.vllm_servicer", *args]
+
+
+async def start(*args: str, without_vllm: bool = False, timeout: float = 60.0) -> ServerProcess:
+    process = await asyncio.create_subprocess_exec(
+        *command(*args, without_vllm=without_vllm),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
+    log: list[str] = []
+    assert process.stdout is not None
+
+    async def next_line() -> str:
+        raw = await process.stdout.readline()
+        if not raw:
+            raise RuntimeError("server exited before it was ready:\n" + "".join(log))
+        line = raw.decode(errors="replace")
+        log.append(line)
+        return line
+
+    async def until_ready() -> int:
+        while True:
+            match = READY.search(await next_line())
+            if match:
+                return int(match.group(2))
+
+    try:
+        port = await asyncio.wait_for(until_ready(), timeout)
+    except BaseException:
+        process.kill()
+        raise
+
+    async def pump() -> None:
+        while raw := await process.stdout.readline():
+            log.append(raw.decode(errors="replace"))
+
+    server = ServerProcess(process, port, log)
+    server._pump = asyncio.create_task(pump())
+    return server

@@ -1,0 +1,54 @@
+"""Keepalive: a client that pings every second through a long silent call stays connected."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from vllm_router.proto import vllm_engine_pb2 as pb
+from vllm_router.proto import vllm_engine_pb2_grpc as pb_grpc
+
+from conftest import StartServer
+
+# A client that pings once a second and never gives up pinging while a call is silent.
+PINGING_CLIENT = [
+    ("grpc.keepalive_time_ms", 1000),
+    ("grpc.keepalive_timeout_ms", 5000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+]
+
+# Four steps 5 s apart: the unary call carries no data for 15 s.
+SILENT_REQUEST = pb.GenerateRequest(
+    prompt_token_ids=[10], sampling_params=pb.SamplingParams(max_tokens=4)
+)
+
+
+async def test_pinging_client_survives_a_15_second_silent_unary_call(
+    start_mock: StartServer,
+) -> None:
+    harness = await start_mock(step_delay=5.0)
+    async with grpc.aio.insecure_channel(harness.address, options=PINGING_CLIENT) as channel:
+        response = await pb_grpc.VllmEngineStub(channel).Generate(SILENT_REQUEST, timeout=60)
+    assert list(response.output_token_ids) == [11, 12, 13, 14]
+
+
+async def test_control_default_server_policy_disconnects_the_same_client() -> None:
+    """Proves the test above can fail: gRPC's default ping policy sends GOAWAY."""
+    from vllm_router.mock_engine import MockAsyncEngine
+    from vllm_router.vllm_servicer import VllmEngineServicer
+
+    server = grpc.aio.server()  # no keepalive options
+    pb_grpc.add_VllmEngineServicer_to_server(
+        VllmEngineServicer(MockAsyncEngine(step_delay=5.0)), server
+    )
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=PINGING_CLIENT) as ch:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await pb_grpc.VllmEngineStub(ch).Generate(SILENT_REQUEST, timeout=60)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "ping" in (err.value.details() + err.value.debug_error_string()).lower()
+    finally:
+        await server.stop(0)
