@@ -98,3 +98,41 @@ async def read_rest(call: grpc.aio.UnaryStreamCall) -> list[pb.GenerateStreamRes
     while (message := await call.read()) is not grpc.aio.EOF:
         messages.append(message)
     return messages
+
+
+@dataclass
+class RealHarness:
+    engine: object  # vllm_router.vllm_engine.VllmEngine
+    server: RunningServer
+    channel: grpc.aio.Channel
+    stub: pb_grpc.VllmEngineStub
+    model_dir: Path
+
+
+async def _real_harness(**generation_defaults: float) -> AsyncIterator[RealHarness]:
+    import real_engine
+
+    real_engine.require_vllm()
+    model_dir = real_engine.tiny_model(**generation_defaults)
+    engine = real_engine.start_engine(model_dir)
+    running = await start_server(engine, ServerConfig(port=0, shutdown_grace_seconds=5.0))
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{running.port}")
+    try:
+        yield RealHarness(engine, running, channel, pb_grpc.VllmEngineStub(channel), model_dir)
+    finally:
+        await channel.close()
+        await running.drain_and_stop()  # also shuts the engine down
+
+
+@pytest_asyncio.fixture(scope="session", loop_scope="session")
+async def real() -> AsyncIterator[RealHarness]:
+    """Our server over a real vLLM AsyncLLM on the tiny model, one per test session."""
+    async for harness in _real_harness():
+        yield harness
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def real_with_generation_defaults() -> AsyncIterator[RealHarness]:
+    """A second engine whose checkpoint's generation_config.json sets temperature 0.05."""
+    async for harness in _real_harness(temperature=0.05):
+        yield harness

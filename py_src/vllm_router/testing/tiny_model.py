@@ -114,6 +114,8 @@ def _build(out: Path, generation_defaults: dict[str, Any]) -> None:
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
+        # Transformers refuses to save sampling defaults unless sampling is on.
+        do_sample=bool(generation_defaults),
         **generation_defaults,
     )
     model.save_pretrained(out, safe_serialization=True)

