@@ -122,6 +122,18 @@ async def test_stop_token_id_and_stop_string(mock: Harness) -> None:
     assert "".join(m.text_delta for m in streamed) == " 11 12"
 
 
+async def test_stop_string_spanning_tokens_and_steps(start_mock: StartServer) -> None:
+    for tokens_per_step in (1, 2, 5):
+        harness = await start_mock(tokens_per_step=tokens_per_step)
+        cut = await harness.stub.Generate(request([10], max_tokens=10, stop=[" 12 13"]))
+        assert (cut.output_text, cut.stop_str) == (" 11", " 12 13"), tokens_per_step
+        kept = await harness.stub.Generate(
+            request([10], max_tokens=10, stop=[" 12 13"], include_stop_str_in_output=True)
+        )
+        assert kept.output_text == " 11 12 13"
+        assert list(kept.output_token_ids) == [11, 12, 13]
+
+
 async def test_skip_detokenize_returns_ids_without_text(mock: Harness) -> None:
     req = request([10], max_tokens=3)
     req.skip_detokenize = True

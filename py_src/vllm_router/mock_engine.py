@@ -86,7 +86,7 @@ def validate_sampling(s: SamplingOptions, detokenize: bool) -> None:
     if s.logprobs is not None:
         check(s.logprobs >= -1, f"logprobs must be non-negative or -1, got {s.logprobs}.")
         check(
-            s.logprobs <= MAX_LOGPROBS,
+            0 <= s.logprobs <= MAX_LOGPROBS,  # -1 (whole vocabulary) is past the limit too
             f"Requested sample logprobs of {s.logprobs}, which is greater than max allowed: "
             f"{MAX_LOGPROBS}",
         )
@@ -113,6 +113,7 @@ class MockAsyncEngine:
         block_size: int = 16,
         kv_cache_tokens: int = 262144,
         dp_size: int = 1,
+        die_after_tokens: int = 0,
     ) -> None:
         if tokens_per_step < 1:
             raise ValueError("tokens_per_step must be at least 1")
@@ -135,6 +136,8 @@ class MockAsyncEngine:
         self._requests: dict[str, _Request] = {}
         self._cached_blocks: set[tuple[int, ...]] = set()
         self._dead: str | None = None
+        self._die_after_tokens = die_after_tokens  # fault injection (0: never)
+        self._tokens_produced = 0
         # Recent requests that ended without finishing (aborted or abandoned by the consumer).
         self.aborted_ids: deque[str] = deque(maxlen=10_000)
         self.last_request: GenerationRequest | None = None
@@ -268,7 +271,10 @@ class MockAsyncEngine:
         stop_ids = set(s.stop_token_ids)
         detokenize = state.request.detokenize
         cached = self._cached_prefix(prompt)
-        text_so_far = ""
+        # Like vLLM, hold back the last characters while they could begin a stop string,
+        # so a stop that straddles tokens or steps is cut before anything is sent.
+        reach = max((len(x) for x in s.stop), default=1) - 1
+        held = ""
         next_token = (prompt[-1] + 1) % facts.vocab_size
         while True:
             if self._dead is not None:
@@ -277,7 +283,7 @@ class MockAsyncEngine:
                 yield self._step(state, [], "", "abort", None, cached)
                 return
             new_ids: list[int] = []
-            text = ""
+            pieces: list[str] = []
             finish: str | None = None
             stop_reason: int | str | None = None
             for _ in range(self.tokens_per_step):
@@ -285,29 +291,35 @@ class MockAsyncEngine:
                 next_token = (next_token + 1) % facts.vocab_size
                 new_ids.append(token)
                 state.generated += 1
+                self._tokens_produced += 1
+                if self._die_after_tokens and self._tokens_produced >= self._die_after_tokens:
+                    self.kill(f"fault injection after {self._tokens_produced} tokens")
+                    raise EngineUnavailable(f"engine is dead: {self._dead}")
                 eligible = state.generated > min_tokens
                 if eligible and token in stop_ids:
                     finish, stop_reason = "stop", token
                 elif eligible and token == self._eos and not s.ignore_eos:
                     finish, stop_reason = "stop", token
                 elif detokenize and not (token == self._eos and s.skip_special_tokens is not False):
-                    piece = mock_token_text(token)
-                    matched = _find_stop(
-                        text_so_far + text + piece, len(text_so_far + text), s.stop
-                    )
+                    window = held + mock_token_text(token)
+                    matched = _find_stop(window, s.stop) if s.stop else None
                     if matched is not None and eligible:
                         stop, at = matched
                         keep = at + (len(stop) if s.include_stop_str_in_output else 0)
-                        text = (text_so_far + text + piece)[len(text_so_far) : keep]
+                        pieces.append(window[:keep])
+                        held = ""
                         finish, stop_reason = "stop", stop
+                    elif len(window) > reach:
+                        pieces.append(window[: len(window) - reach])
+                        held = window[len(window) - reach :]
                     else:
-                        text += piece
+                        held = window
                 if finish is None and state.generated >= max_tokens:
                     finish = "length"
                 if finish is not None:
+                    pieces.append(held)
                     break
-            text_so_far += text
-            yield self._step(state, new_ids, text, finish, stop_reason, cached)
+            yield self._step(state, new_ids, "".join(pieces), finish, stop_reason, cached)
             if finish is not None:
                 return
             if self.step_delay > 0:
@@ -352,11 +364,11 @@ class MockAsyncEngine:
         )
 
 
-def _find_stop(text: str, search_from: int, stops: tuple[str, ...]) -> tuple[str, int] | None:
-    """The earliest stop string that ends in the new part of `text`."""
+def _find_stop(text: str, stops: tuple[str, ...]) -> tuple[str, int] | None:
+    """The stop string that occurs earliest in `text`, and where."""
     best: tuple[str, int] | None = None
     for stop in stops:
-        at = text.find(stop, max(0, search_from - len(stop) + 1))
+        at = text.find(stop)
         if at != -1 and (best is None or at < best[1]):
             best = (stop, at)
     return best

@@ -14,8 +14,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -24,6 +25,7 @@ from grpc_reflection.v1alpha import reflection
 from .engine import AsyncEngine
 from .errors import EngineUnavailable
 from .proto import vllm_engine_pb2_grpc as pb_grpc
+from .security import ApiKeyInterceptor, server_credentials
 from .vllm_servicer import SERVICE_NAME, VllmEngineServicer
 
 logger = logging.getLogger(__name__)
@@ -49,6 +51,17 @@ class ServerConfig:
     min_client_ping_interval_ms: int = 500
     health_poll_seconds: float = 1.0
     log_requests: bool = False
+    # Admission: generation requests in flight (0: no limit) and prompt length.
+    max_concurrent_streams: int = 0
+    max_prompt_tokens: int = 0
+    # A stream whose client has not taken a message for this long is aborted (0: never).
+    stream_stall_timeout_seconds: float = 60.0
+    # Transport security; the unix socket (mode 0600) is always plaintext.
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
+    ssl_ca_certs: str | None = None
+    api_key: str | None = field(default=None, repr=False)
+    uds: str | None = None
 
 
 def server_options(config: ServerConfig) -> list[tuple[str, int]]:
@@ -80,15 +93,20 @@ class RunningServer:
         self.config = config
         self.health = health.aio.HealthServicer()
         self.servicer = VllmEngineServicer(
-            engine, on_engine_dead=self._engine_died, log_requests=config.log_requests
+            engine,
+            on_engine_dead=self._engine_died,
+            log_requests=config.log_requests,
+            max_concurrent_streams=config.max_concurrent_streams,
+            max_prompt_tokens=config.max_prompt_tokens,
         )
-        self.server = grpc.aio.server(options=server_options(config))
+        interceptors = [ApiKeyInterceptor(config.api_key)] if config.api_key else []
+        self.server = grpc.aio.server(options=server_options(config), interceptors=interceptors)
         self.port = 0
         self.exit_code = EXIT_OK
         self._shutdown = asyncio.Event()
         self._abort_now = asyncio.Event()
         self._poke = asyncio.Event()
-        self._monitor: asyncio.Task[None] | None = None
+        self._background: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:
         pb_grpc.add_VllmEngineServicer_to_server(self.servicer, self.server)
@@ -96,18 +114,42 @@ class RunningServer:
         reflection.enable_server_reflection(
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server
         )
-        address = _address(self.config.host, self.config.port)
+        self._listen()
+        for service in ("", SERVICE_NAME):
+            await self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self.server.start()
+        if self.config.uds:
+            os.chmod(self.config.uds, 0o600)  # only this user (the co-located router)
+        await self._refresh_health()
+        self._background.append(asyncio.create_task(self._watch_engine(), name="engine-health"))
+        if self.config.stream_stall_timeout_seconds > 0:
+            stall = self.servicer.watch_stalled_streams(self.config.stream_stall_timeout_seconds)
+            self._background.append(asyncio.create_task(stall, name="stalled-streams"))
+
+    def _listen(self) -> None:
+        config = self.config
+        if config.uds:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(config.uds)  # a stale socket from an earlier run
+            if self.server.add_insecure_port(f"unix:{config.uds}") == 0:
+                raise PortUnavailable(f"cannot listen on unix:{config.uds}")
+        if config.port < 0:
+            if not config.uds:
+                raise PortUnavailable("no listener: --port -1 needs --uds")
+            return
+        address = _address(config.host, config.port)
+        credentials = server_credentials(
+            config.ssl_certfile, config.ssl_keyfile, config.ssl_ca_certs
+        )
         try:
-            self.port = self.server.add_insecure_port(address)
+            if credentials is None:
+                self.port = self.server.add_insecure_port(address)
+            else:
+                self.port = self.server.add_secure_port(address, credentials)
         except RuntimeError as exc:
             raise PortUnavailable(f"cannot listen on {address}: {exc}") from exc
         if self.port == 0:
             raise PortUnavailable(f"cannot listen on {address}: address in use or not local")
-        for service in ("", SERVICE_NAME):
-            await self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
-        await self.server.start()
-        await self._refresh_health()
-        self._monitor = asyncio.create_task(self._watch_engine(), name="engine-health-monitor")
 
     # -- health -----------------------------------------------------------------------------------
 
@@ -179,11 +221,13 @@ class RunningServer:
             await self.servicer.abort_all()
             await self.servicer.wait_idle(5.0)
         await self.server.stop(grace=1.0)
-        if self._monitor is not None:
-            self._monitor.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._monitor
+        for task in self._background:
+            task.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
         await self.engine.shutdown()
+        if self.config.uds:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.config.uds)
         logger.info("Server stopped")
 
     async def _wait_idle_or_abort(self, grace: float) -> bool:
@@ -208,9 +252,13 @@ async def serve(engine: AsyncEngine, config: ServerConfig) -> int:
     running = await start_server(engine, config)
     running.install_signal_handlers()
     facts = engine.facts
+    where = [_address(config.host, running.port)] if config.port >= 0 else []
+    if config.uds:
+        where.append(f"unix:{config.uds}")
     logger.info(
-        "vllm-servicer ready on %s (engine %s %s, model %s, max_model_len %d)",
-        _address(config.host, running.port),
+        "vllm-servicer ready on %s%s (engine %s %s, model %s, max_model_len %d)",
+        " and ".join(where),
+        " with TLS" if config.ssl_certfile else "",
         facts.engine,
         facts.engine_version,
         facts.served_model_name,

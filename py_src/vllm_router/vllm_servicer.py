@@ -16,13 +16,23 @@ import grpc
 
 from . import convert
 from .engine import AsyncEngine, EngineStep, LoadSnapshot
-from .errors import DuplicateRequest, EngineUnavailable, status_for
+from .errors import DuplicateRequest, EngineUnavailable, Overloaded, status_for
 from .proto import vllm_engine_pb2 as pb
 from .proto import vllm_engine_pb2_grpc as pb_grpc
 
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["VllmEngine"].full_name
+
+
+class _Flight:
+    """One request in flight: the RPC task and, while a message is being sent, since when."""
+
+    __slots__ = ("sending_since", "task")
+
+    def __init__(self, task: asyncio.Task | None) -> None:
+        self.task = task
+        self.sending_since: float | None = None
 
 
 async def _fail(context: grpc.aio.ServicerContext, exc: Exception) -> None:
@@ -39,11 +49,15 @@ class VllmEngineServicer(pb_grpc.VllmEngineServicer):
         *,
         on_engine_dead: Callable[[], None] | None = None,
         log_requests: bool = False,
+        max_concurrent_streams: int = 0,
+        max_prompt_tokens: int = 0,
     ) -> None:
         self._engine = engine
         self._on_engine_dead = on_engine_dead
         self._log_requests = log_requests
-        self._in_flight: set[str] = set()
+        self._max_concurrent = max_concurrent_streams
+        self._max_prompt_tokens = max_prompt_tokens
+        self._in_flight: dict[str, _Flight] = {}
         self._idle = asyncio.Event()
         self._idle.set()
         self._draining = False
@@ -76,6 +90,26 @@ class VllmEngineServicer(pb_grpc.VllmEngineServicer):
         for request_id in list(self._in_flight):
             await self._engine.abort(request_id)
 
+    async def watch_stalled_streams(self, stall_timeout: float) -> None:
+        """Cancel streams whose client stopped reading (a send blocked by flow control).
+
+        Cancelling the RPC closes the engine's iterator, which aborts the request in
+        the engine: nothing keeps decoding for a client that no longer reads.
+        """
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(min(1.0, stall_timeout / 4))
+            now = loop.time()
+            for request_id, flight in list(self._in_flight.items()):
+                since = flight.sending_since
+                if since is not None and now - since > stall_timeout and flight.task is not None:
+                    logger.warning(
+                        "request %s: client has not read for %.1fs; aborting",
+                        request_id,
+                        now - since,
+                    )
+                    flight.task.cancel()
+
     # -- RPCs -------------------------------------------------------------------------------------
 
     async def GenerateStream(
@@ -84,10 +118,16 @@ class VllmEngineServicer(pb_grpc.VllmEngineServicer):
         try:
             first = True
             async with self._run(request) as (request_id, steps):
+                flight = self._in_flight[request_id]
                 async for step in steps:
                     metrics = self._worker_metrics() if first or step.finished else None
                     first = False
-                    yield convert.stream_message(request_id, step, metrics)
+                    message = convert.stream_message(request_id, step, metrics)
+                    # The generator resumes once gRPC has sent the message; a client that
+                    # stops reading keeps it suspended here (see watch_stalled_streams).
+                    flight.sending_since = asyncio.get_running_loop().time()
+                    yield message
+                    flight.sending_since = None
         except Exception as exc:
             await _fail(context, exc)
 
@@ -163,11 +203,18 @@ class VllmEngineServicer(pb_grpc.VllmEngineServicer):
         if self._draining:
             raise EngineUnavailable("server is draining (shutting down); retry on another worker")
         self._require_live_engine()
-        generation = convert.to_generation_request(request, self._engine.facts)
+        generation = convert.to_generation_request(
+            request, self._engine.facts, max_prompt_tokens=self._max_prompt_tokens
+        )
         request_id = generation.request_id
         if request_id in self._in_flight:
             raise DuplicateRequest(f"request_id {request_id!r} is already in flight on this worker")
-        self._in_flight.add(request_id)
+        if self._max_concurrent and len(self._in_flight) >= self._max_concurrent:
+            raise Overloaded(
+                f"this worker already runs {len(self._in_flight)} requests "
+                f"(--max-concurrent-streams {self._max_concurrent}); retry on another worker"
+            )
+        self._in_flight[request_id] = _Flight(asyncio.current_task())
         self._idle.clear()
         if self._log_requests:
             logger.info(
@@ -189,7 +236,7 @@ class VllmEngineServicer(pb_grpc.VllmEngineServicer):
             # error) aborts the request inside the engine.
             await watched.aclose()
             await steps.aclose()
-            self._in_flight.discard(request_id)
+            del self._in_flight[request_id]
             if not self._in_flight:
                 self._idle.set()
 

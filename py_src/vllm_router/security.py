@@ -1,0 +1,85 @@
+"""Transport security and caller authentication: TLS / mutual TLS and a shared bearer token."""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+logger = logging.getLogger(__name__)
+
+# Kubernetes probes and load balancers must reach health without a token.
+UNAUTHENTICATED_PREFIXES = ("/grpc.health.v1.Health/",)
+
+
+def server_credentials(
+    certfile: str | None, keyfile: str | None, ca_certs: str | None
+) -> grpc.ServerCredentials | None:
+    """TLS credentials; with `ca_certs`, clients must present a certificate signed by it."""
+    if not certfile and not keyfile:
+        if ca_certs:
+            raise ValueError("--ssl-ca-certs needs --ssl-certfile and --ssl-keyfile")
+        return None
+    if not (certfile and keyfile):
+        raise ValueError("TLS needs both --ssl-certfile and --ssl-keyfile")
+    key = Path(keyfile).read_bytes()
+    cert = Path(certfile).read_bytes()
+    root = Path(ca_certs).read_bytes() if ca_certs else None
+    return grpc.ssl_server_credentials(
+        [(key, cert)], root_certificates=root, require_client_auth=root is not None
+    )
+
+
+def _deny(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    """A handler of the same shape as `handler` that answers UNAUTHENTICATED."""
+
+    async def refuse(_request: Any, context: grpc.aio.ServicerContext) -> None:
+        await context.abort(
+            grpc.StatusCode.UNAUTHENTICATED,
+            "missing or invalid credentials: send metadata 'authorization: Bearer <api key>'",
+        )
+
+    kinds: dict[str, Callable[..., grpc.RpcMethodHandler]] = {
+        "unary_unary": grpc.unary_unary_rpc_method_handler,
+        "unary_stream": grpc.unary_stream_rpc_method_handler,
+        "stream_unary": grpc.stream_unary_rpc_method_handler,
+        "stream_stream": grpc.stream_stream_rpc_method_handler,
+    }
+    for kind, make in kinds.items():
+        if getattr(handler, kind) is not None:
+            return make(
+                refuse,
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+    raise ValueError("handler has no behaviour")
+
+
+class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
+    """Every RPC but grpc.health.v1 needs `authorization: Bearer <key>` (constant-time check)."""
+
+    def __init__(self, api_key: str) -> None:
+        if not api_key:
+            raise ValueError("the API key must not be empty")
+        self._expected = f"Bearer {api_key}".encode()
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        if handler is None or details.method.startswith(UNAUTHENTICATED_PREFIXES):
+            return handler
+        presented = b""
+        for key, value in details.invocation_metadata or ():
+            if key == "authorization":
+                presented = value.encode() if isinstance(value, str) else value
+                break
+        if hmac.compare_digest(presented, self._expected):
+            return handler
+        return _deny(handler)
