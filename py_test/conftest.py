@@ -22,6 +22,26 @@ from vllm_router.server import RunningServer, ServerConfig, start_server
 REQUIRE_ALL = os.environ.get("VLLM_SERVICER_REQUIRE_ALL") == "1"
 
 
+_FIGURES: list[str] = []
+
+
+@pytest.fixture
+def figures(request: pytest.FixtureRequest) -> Callable[[str], None]:
+    """Record a measured figure; all of them are printed at the end of the run."""
+
+    def record(line: str) -> None:
+        _FIGURES.append(f"{request.node.name}: {line}")
+
+    return record
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if _FIGURES:
+        terminalreporter.section("measured figures")
+        for line in _FIGURES:
+            terminalreporter.write_line(line)
+
+
 def require(condition: bool, reason: str) -> None:
     """Skip when a prerequisite is missing, except under `make test`/CI, where it fails."""
     if not condition:

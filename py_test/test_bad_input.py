@@ -65,6 +65,21 @@ CASES = [
     ("decode-only mode", _with(execution_mode=2), UNIMPLEMENTED, "execution_mode"),
     ("unknown execution_mode", _with(execution_mode=7), INVALID, "execution_mode"),
     ("multimodal item", _with(multimodal_data=True), UNIMPLEMENTED, "multimodal_data"),
+    ("1M prompt tokens", _req([5] * 1_000_000, max_tokens=1), INVALID, "max_model_len"),
+    ("max_tokens 2^31-1", _req(max_tokens=2**31 - 1), INVALID, "max_tokens"),
+    ("stop string too long", _req(stop=["x" * 2000]), INVALID, "stop[0]"),
+    ("min_tokens 2^32-1", _req(max_tokens=2, min_tokens=2**32 - 1), INVALID, "min_tokens"),
+    ("min_p negative", _req(min_p=-0.1), INVALID, "min_p"),
+    ("min_p NaN", _req(min_p=math.nan), INVALID, "min_p"),
+    ("top_p negative", _req(top_p=-1.0), INVALID, "top_p"),
+    ("temperature 2.5", _req(temperature=2.5), INVALID, "temperature"),
+    ("presence_penalty inf", _req(presence_penalty=math.inf), INVALID, "presence_penalty"),
+    ("frequency_penalty NaN", _req(frequency_penalty=math.nan), INVALID, "frequency_penalty"),
+    ("repetition_penalty -1", _req(repetition_penalty=-1.0), INVALID, "repetition_penalty"),
+    ("negative execution_mode", _with(execution_mode=-1), INVALID, "execution_mode"),
+    ("dp_rank = dp_size", _with(dp_rank=1), INVALID, "dp_rank 1"),
+    ("257-byte request_id", _with(request_id="é" * 128 + "x"), INVALID, "request_id"),
+    ("logprobs -1 (whole vocabulary)", _req(logprobs=-1), INVALID, "logprobs"),
 ]
 
 
@@ -108,3 +123,26 @@ async def test_oversized_message_is_resource_exhausted(start_mock) -> None:
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     ok = await harness.stub.Generate(_req([7], max_tokens=1))
     assert list(ok.output_token_ids) == [8]
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [b"\x0a\x02\xff\xfe\x12\x01\x0a", b"\xff\xff\xff", b"\x12\x05\x0a"],
+    ids=["bad UTF-8 in request_id", "corrupt tag", "truncated packed ids"],
+)
+async def test_unparsable_bytes_are_invalid_argument(mock: Harness, raw: bytes) -> None:
+    for method, style in (("Generate", "unary_unary"), ("GenerateStream", "unary_stream")):
+        call = getattr(mock.channel, style)(f"/vllm.engine.v1.VllmEngine/{method}")
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            result = call(raw)
+            if style == "unary_stream":
+                async for _ in result:
+                    pass
+            else:
+                await result
+        assert err.value.code() == INVALID, err.value.details()
+        assert "could not be parsed" in err.value.details()
+
+
+def test_the_table_has_at_least_40_cases() -> None:
+    assert len(CASES) >= 40

