@@ -27,6 +27,8 @@ QUIET_PIP := grep -v "^WARNING: Location" || true
 help:
 	@echo "make test    install into $(VENV) (from nothing) and run the whole suite"
 	@echo "make serve   serve the tiny built-in model on $(HOST):$(PORT) (MODEL=..., MOCK=1)"
+	@echo "make stress  the soak/storm/fuzz suites at full scale"
+	@echo "make bench   benchmark ours vs vLLM's HTTP and gRPC servers vs the engine alone"
 	@echo "make lint    ruff format --check + ruff check"
 
 $(BIN)/python:
@@ -67,7 +69,7 @@ test: install
 	$(CPU_ENV) VLLM_SERVICER_REQUIRE_ALL=1 $(BIN)/python -m pytest $(PYTEST_ARGS)
 
 stress: install
-	$(CPU_ENV) VLLM_SERVICER_REQUIRE_ALL=1 VLLM_SERVICER_STRESS=full $(BIN)/python -m pytest py_test/stress $(PYTEST_ARGS)
+	$(CPU_ENV) VLLM_SERVICER_REQUIRE_ALL=1 VLLM_SERVICER_STRESS=full $(BIN)/python -m pytest py_test/stress py_test/test_fuzz.py $(PYTEST_ARGS)
 
 serve: install
 ifeq ($(MOCK),1)
@@ -80,6 +82,13 @@ else
 	$(CPU_ENV) $(BIN)/vllm-servicer --model $(TINY_MODEL_DIR) --host $(HOST) --port $(PORT) \
 		--max-model-len 512 --gpu-memory-utilization 0.3 --enforce-eager $(SERVE_ARGS)
 endif
+
+# Benchmarks: vLLM's own gRPC launcher (smg packages, --no-deps so they pull no CUDA vLLM)
+# and matplotlib for the plot live only in the bench environment.
+bench: install
+	$(BIN)/pip install -q --no-deps smg-grpc-servicer smg-grpc-proto 2>&1 | $(QUIET_PIP)
+	$(BIN)/pip install -q matplotlib 2>&1 | $(QUIET_PIP)
+	cd benchmarks && $(CPU_ENV) ../$(BIN)/python bench.py $(BENCH_ARGS)
 
 lint: install
 	$(BIN)/ruff format --check py_src py_test benchmarks

@@ -129,11 +129,11 @@ class RealHarness:
     model_dir: Path
 
 
-async def _real_harness(**generation_defaults: float) -> AsyncIterator[RealHarness]:
+async def _real_harness(temperature: float | None = None) -> AsyncIterator[RealHarness]:
     import real_engine
 
     real_engine.require_vllm()
-    model_dir = real_engine.tiny_model(**generation_defaults)
+    model_dir = real_engine.tiny_model(temperature)
     engine = real_engine.start_engine(model_dir)
     running = await start_server(engine, ServerConfig(port=0, shutdown_grace_seconds=5.0))
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{running.port}")

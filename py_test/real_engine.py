@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib.util
+import subprocess
+import sys
 from pathlib import Path
 
 from conftest import require
@@ -31,11 +33,17 @@ def require_vllm() -> None:
     require(importlib.util.find_spec("vllm") is not None, "vLLM is not installed (make test)")
 
 
-def tiny_model(**generation_defaults: float) -> Path:
-    from vllm_router.testing.tiny_model import build_tiny_model
+def tiny_model(temperature: float | None = None) -> Path:
+    """Build (once, cached) the tiny checkpoint; optionally with a generation-config temperature.
 
-    suffix = "".join(f"-{k}{v}" for k, v in sorted(generation_defaults.items()))
-    return build_tiny_model(MODEL_CACHE / f"tiny-llama{suffix}", **generation_defaults)
+    Built in a subprocess: torch stays out of the test process, which hosts the engines.
+    """
+    target = MODEL_CACHE / ("tiny-llama" if temperature is None else f"tiny-llama-t{temperature}")
+    command = [sys.executable, "-m", "vllm_router.testing.tiny_model", str(target)]
+    if temperature is not None:
+        command += ["--generation-temperature", str(temperature)]
+    subprocess.run(command, check=True, capture_output=True, timeout=300)
+    return target
 
 
 def start_engine(model: Path):

@@ -1,0 +1,269 @@
+"""Benchmark harness: ours vs vLLM's HTTP server vs vLLM's own --grpc launcher vs the
+engine alone, on the same model and engine flags. `make bench` runs it.
+
+Each target is started, measured at every concurrency level, and stopped; the client
+runs in this process (uvloop). Output: a markdown table (ratios to `engine` at the
+same level), JSON lines and a PNG plot in benchmarks/results/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import clients
+from workload import Workload, summarize
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+BIN = Path(sys.executable).parent
+ENGINE_FLAGS = ["--gpu-memory-utilization", "0.3", "--enforce-eager"]
+TARGETS = ("engine", "ours", "vllm-grpc", "vllm-http", "ours-mock", "grpc-floor")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def command(target: str, model: str, port: int, max_model_len: int) -> list[str]:
+    flags = ["--model", model, "--max-model-len", str(max_model_len), *ENGINE_FLAGS]
+    py = sys.executable
+    return {
+        "ours": [str(BIN / "vllm-servicer"), "--port", str(port), *flags],
+        "vllm-grpc": [py, "-m", "vllm.entrypoints.launchers.grpc_server", "--host", "127.0.0.1",
+                      "--port", str(port), *flags],
+        "vllm-http": [py, "-m", "vllm.entrypoints.openai.api_server", "--host", "127.0.0.1",
+                      "--port", str(port), *flags],
+        "ours-mock": [str(BIN / "vllm-servicer"), "--mock-engine", "--port", str(port),
+                      "--mock-vocab-size", "512", "--mock-max-model-len", str(max_model_len)],
+        "grpc-floor": [py, str(HERE / "grpc_floor.py"), "--port", str(port)],
+    }[target]  # fmt: skip
+
+
+async def wait_ready(target: str, address: str, process: subprocess.Popen, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"{target} exited with {process.returncode} before it was ready")
+        try:
+            if target == "vllm-http":
+                if await asyncio.to_thread(_http_ok, f"http://{address}/health"):
+                    return
+            else:
+                async with grpc_channel(address) as channel:
+                    await asyncio.wait_for(channel.channel_ready(), 2)
+                    if target in ("grpc-floor", "vllm-grpc"):
+                        return
+                    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+                    reply = await health_pb2_grpc.HealthStub(channel).Check(
+                        health_pb2.HealthCheckRequest(), timeout=2
+                    )
+                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                        return
+        except Exception:
+            pass
+        await asyncio.sleep(1)
+    raise RuntimeError(f"{target} not ready after {timeout:.0f}s")
+
+
+def _http_ok(url: str) -> bool:
+    with urllib.request.urlopen(url, timeout=2) as response:
+        return response.status == 200
+
+
+def _spawn(target: str, args: argparse.Namespace, port: int) -> subprocess.Popen:
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
+    with open(args.out / f"{target}.log", "w") as log:
+        return subprocess.Popen(
+            command(target, args.model, port, args.max_model_len), stdout=log, stderr=log, env=env
+        )
+
+
+def grpc_channel(address: str):
+    import grpc
+
+    return grpc.aio.insecure_channel(address)
+
+
+async def measure_server(
+    target: str, args: argparse.Namespace, levels: list[Workload]
+) -> list[dict]:
+    port = free_port()
+    address = f"127.0.0.1:{port}"
+    process = _spawn(target, args, port)
+    try:
+        await wait_ready(target, address, process, timeout=300)
+        results = []
+        for workload in levels:
+            make = {
+                "ours": clients.ours,
+                "ours-mock": clients.ours,
+                "grpc-floor": clients.ours,
+                "vllm-grpc": clients.vllm_grpc,
+                "vllm-http": clients.vllm_http,
+            }[target]
+            close, one = make(f"http://{address}" if target == "vllm-http" else address, workload)
+            try:
+                warm = Workload(**{**workload.__dict__, "requests": min(8, workload.requests)})
+                await clients.drive(warm, one)
+                records, wall = await clients.drive(workload, one)
+            finally:
+                await close()
+            result = summarize(target, workload, records, wall)
+            print(json.dumps(result), flush=True)
+            results.append(result)
+        return results
+    finally:
+        process.terminate()
+        try:
+            process.wait(60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+
+
+def measure_engine(args: argparse.Namespace, levels: list[Workload]) -> list[dict]:
+    spec = json.dumps([w.__dict__ for w in levels])
+    out = subprocess.run(
+        [sys.executable, str(HERE / "engine_direct.py"), "--model", args.model,
+         "--max-model-len", str(args.max_model_len), "--levels", spec],
+        capture_output=True, text=True, cwd=HERE, timeout=1800,
+        env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")},
+    )  # fmt: skip
+    (args.out / "engine.log").write_text(out.stdout + out.stderr)
+    results = [
+        json.loads(line[7:]) for line in out.stdout.splitlines() if line.startswith("RESULT ")
+    ]
+    if len(results) != len(levels):
+        raise RuntimeError(f"engine run failed: see {args.out / 'engine.log'}")
+    for result in results:
+        print(json.dumps(result), flush=True)
+    return results
+
+
+def table(results: list[dict]) -> str:
+    engine = {r["concurrency"]: r for r in results if r["target"] == "engine"}
+    header = (
+        "| target | conc | tokens/s | x engine | req/s | TTFT p50 / p90 / p99 ms | "
+        "ITL p50 / p99 ms | msgs/req | errors |"
+    )
+    lines = [header, "|" + "---|" * 9]
+    for r in sorted(results, key=lambda r: (r["concurrency"], TARGETS.index(r["target"]))):
+        base = engine.get(r["concurrency"])
+        ratio = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}" if base else "-"
+        lines.append(
+            f"| {r['target']} | {r['concurrency']} | {r['tokens_per_s']:,.0f} | {ratio} | "
+            f"{r['requests_per_s']:.1f} | {r['ttft_p50_ms']:.1f} / {r['ttft_p90_ms']:.1f} / "
+            f"{r['ttft_p99_ms']:.1f} | {r['itl_p50_ms']:.2f} / {r['itl_p99_ms']:.2f} | "
+            f"{r['messages_per_request']:.1f} | {r['errors']} |"
+        )
+    return "\n".join(lines)
+
+
+def plot(results: list[dict], path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot", file=sys.stderr)
+        return False
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    for target in TARGETS:
+        rows = sorted((r for r in results if r["target"] == target), key=lambda r: r["concurrency"])
+        if not rows:
+            continue
+        xs = [r["concurrency"] for r in rows]
+        left.plot(xs, [r["tokens_per_s"] for r in rows], marker="o", label=target)
+        right.plot(xs, [r["ttft_p99_ms"] for r in rows], marker="o", label=target)
+    for axis, title in ((left, "output tokens/s"), (right, "TTFT p99 (ms)")):
+        axis.set_xscale("log", base=2)
+        axis.set_xlabel("concurrent requests")
+        axis.set_title(title)
+        axis.grid(alpha=0.3)
+    right.set_yscale("log")
+    left.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return True
+
+
+async def run(args: argparse.Namespace) -> None:
+    levels = [
+        Workload(
+            requests=max(args.min_requests, c * args.requests_per_slot),
+            concurrency=c,
+            prompt_len=args.prompt_len,
+            output_len=args.output_len,
+            sampled=args.sampled,
+            skip_detokenize=args.skip_detokenize,
+        )
+        for c in args.concurrency
+    ]
+    results: list[dict] = []
+    for target in args.targets:
+        print(f"== {target}", flush=True)
+        if target == "engine":
+            results += measure_engine(args, levels)
+        else:
+            results += await measure_server(target, args, levels)
+    write_results(results, args.out)
+
+
+def write_results(results: list[dict], out: Path) -> None:
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    with open(out / f"bench-{stamp}.jsonl", "w") as jsonl:
+        for result in results:
+            jsonl.write(json.dumps(result) + "\n")
+    markdown = table(results)
+    (out / "latest.md").write_text(markdown + "\n")
+    plotted = plot(results, out / "latest.png")
+    print("\n" + markdown)
+    print(f"\nwritten: {out}/latest.md, bench-{stamp}.jsonl" + (", latest.png" if plotted else ""))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", help="model dir (default: the built-in tiny model)")
+    parser.add_argument("--targets", default=",".join(TARGETS))
+    parser.add_argument("--concurrency", default="1,16,64")
+    parser.add_argument("--requests-per-slot", type=int, default=4)
+    parser.add_argument("--min-requests", type=int, default=16)
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--max-model-len", type=int, default=512)
+    parser.add_argument("--sampled", action="store_true", help="temperature 0.8 instead of greedy")
+    parser.add_argument("--skip-detokenize", action="store_true")
+    parser.add_argument("--out", type=Path, default=HERE / "results")
+    args = parser.parse_args()
+    args.targets = [t for t in args.targets.split(",") if t]
+    unknown = set(args.targets) - set(TARGETS)
+    if unknown:
+        parser.error(f"unknown targets {sorted(unknown)}; choose from {', '.join(TARGETS)}")
+    args.concurrency = [int(c) for c in args.concurrency.split(",")]
+    args.out.mkdir(parents=True, exist_ok=True)
+    if not args.model:
+        from vllm_router.testing.tiny_model import build_tiny_model
+
+        args.model = str(build_tiny_model(ROOT / ".cache" / "tiny-llama"))
+    with contextlib.suppress(ImportError):
+        import uvloop
+
+        uvloop.install()
+    asyncio.run(run(args))
+
+
+if __name__ == "__main__":
+    main()

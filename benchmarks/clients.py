@@ -1,0 +1,126 @@
+"""Load generators: one async client per protocol, all measured the same way."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Awaitable, Callable
+
+import grpc
+from workload import Record, Workload
+
+OneRequest = Callable[[int, list[int], Record], Awaitable[None]]
+
+
+async def drive(workload: Workload, one: OneRequest) -> tuple[list[Record], float]:
+    """Run `workload.requests` requests, `workload.concurrency` at a time."""
+    prompts = workload.prompts()
+    records = [Record(start=0.0) for _ in prompts]
+    queue = iter(range(len(prompts)))
+
+    async def worker() -> None:
+        for i in queue:
+            record = records[i]
+            record.start = time.perf_counter()
+            try:
+                await one(i, prompts[i], record)
+            except Exception as exc:  # counted, reported in the table
+                record.error = f"{type(exc).__name__}: {exc}"[:200]
+
+    started = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(workload.concurrency)))
+    return records, time.perf_counter() - started
+
+
+def ours(address: str, workload: Workload) -> tuple[Callable[[], Awaitable[None]], OneRequest]:
+    from vllm_router.proto import vllm_engine_pb2 as pb
+    from vllm_router.proto import vllm_engine_pb2_grpc as pb_grpc
+
+    channel = grpc.aio.insecure_channel(address)
+    stub = pb_grpc.VllmEngineStub(channel)
+
+    async def one(i: int, prompt: list[int], record: Record) -> None:
+        request = pb.GenerateRequest(
+            prompt_token_ids=prompt,
+            skip_detokenize=workload.skip_detokenize,
+            sampling_params=pb.SamplingParams(
+                temperature=workload.temperature,
+                max_tokens=workload.output_len,
+                ignore_eos=True,
+                seed=i,
+            ),
+        )
+        async for message in stub.GenerateStream(request):
+            record.message(len(message.token_ids))
+
+    return channel.close, one
+
+
+def vllm_grpc(address: str, workload: Workload) -> tuple[Callable[[], Awaitable[None]], OneRequest]:
+    """vLLM's own --grpc launcher (smg-grpc-servicer), its own proto."""
+    from smg_grpc_proto import vllm_engine_pb2 as spb
+    from smg_grpc_proto import vllm_engine_pb2_grpc as spb_grpc
+
+    channel = grpc.aio.insecure_channel(address)
+    stub = spb_grpc.VllmEngineStub(channel)
+
+    async def one(i: int, prompt: list[int], record: Record) -> None:
+        request = spb.GenerateRequest(
+            request_id=f"bench-{i}-{time.monotonic_ns()}",
+            tokenized=spb.TokenizedInput(input_ids=prompt),
+            stream=True,
+            sampling_params=spb.SamplingParams(
+                temperature=workload.temperature,
+                top_p=1.0,
+                max_tokens=workload.output_len,
+                ignore_eos=True,
+                seed=i,
+                skip_special_tokens=True,
+                n=1,
+            ),
+        )
+        async for message in stub.Generate(request):
+            if message.HasField("chunk"):
+                record.message(len(message.chunk.token_ids))
+
+    return channel.close, one
+
+
+def vllm_http(base: str, workload: Workload) -> tuple[Callable[[], Awaitable[None]], OneRequest]:
+    """vLLM's OpenAI server: /v1/completions with stream=true (SSE)."""
+    import aiohttp
+
+    session = aiohttp.ClientSession(
+        timeout=aiohttp.ClientTimeout(total=600),
+        connector=aiohttp.TCPConnector(limit=0),
+    )
+    model_holder: list[str] = []
+
+    async def one(i: int, prompt: list[int], record: Record) -> None:
+        if not model_holder:
+            async with session.get(base + "/v1/models") as response:
+                model_holder.append((await response.json())["data"][0]["id"])
+        body = {
+            "model": model_holder[0],
+            "prompt": prompt,
+            "max_tokens": workload.output_len,
+            "temperature": workload.temperature,
+            "ignore_eos": True,
+            "seed": i,
+            "stream": True,
+            "return_token_ids": True,
+        }
+        async with session.post(base + "/v1/completions", json=body) as response:
+            response.raise_for_status()
+            async for raw in response.content:
+                line = raw.strip()
+                if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                choices = chunk.get("choices") or []
+                if choices:
+                    ids = choices[0].get("token_ids") or []
+                    record.message(len(ids))
+
+    return session.close, one
