@@ -6,7 +6,8 @@ package (so editable installs see them) before setuptools copies modules.
 
 from __future__ import annotations
 
-import re
+import shutil
+import tempfile
 from pathlib import Path
 
 from setuptools import setup
@@ -18,34 +19,36 @@ OUT_DIR = ROOT / "py_src" / "vllm_router" / "proto"
 
 
 def generate_stubs() -> None:
-    from grpc_tools import protoc  # build-system requirement, pinned in pyproject
+    """Compile each proto as `vllm_router/proto/<name>.proto`.
 
+    The import path becomes the name protobuf registers the file under: a
+    package-qualified one cannot collide with another project's
+    `vllm_engine.proto` in the same process (vLLM's own gRPC stubs use that
+    name), and the generated modules import each other absolutely.
+    """
     import grpc_tools
+    from grpc_tools import protoc  # build-system requirement, pinned in pyproject
 
     well_known = Path(grpc_tools.__file__).parent / "_proto"
     protos = sorted(PROTO_DIR.glob("*.proto"))
     if not protos:
         raise RuntimeError(f"no .proto files under {PROTO_DIR}")
-    args = [
-        "grpc_tools.protoc",
-        f"-I{PROTO_DIR}",
-        f"-I{well_known}",
-        f"--python_out={OUT_DIR}",
-        f"--pyi_out={OUT_DIR}",
-        f"--grpc_python_out={OUT_DIR}",
-        *(str(p) for p in protos),
-    ]
-    if protoc.main(args) != 0:
-        raise RuntimeError("protoc failed on " + ", ".join(p.name for p in protos))
-    # protoc emits top-level imports between generated modules; inside a package
-    # they must be relative.
-    names = "|".join(re.escape(p.stem) for p in protos)
-    pattern = re.compile(rf"^import ({names})_pb2 as ", re.MULTILINE)
-    for generated in OUT_DIR.glob("*_pb2*.py*"):
-        text = generated.read_text()
-        fixed = pattern.sub(r"from . import \1_pb2 as ", text)
-        if fixed != text:
-            generated.write_text(fixed)
+    with tempfile.TemporaryDirectory() as root:
+        staged_dir = Path(root) / "vllm_router" / "proto"
+        staged_dir.mkdir(parents=True)
+        for proto in protos:
+            shutil.copyfile(proto, staged_dir / proto.name)
+        args = [
+            "grpc_tools.protoc",
+            f"-I{root}",
+            f"-I{well_known}",
+            f"--python_out={OUT_DIR.parent.parent}",
+            f"--pyi_out={OUT_DIR.parent.parent}",
+            f"--grpc_python_out={OUT_DIR.parent.parent}",
+            *(f"vllm_router/proto/{p.name}" for p in protos),
+        ]
+        if protoc.main(args) != 0:
+            raise RuntimeError("protoc failed on " + ", ".join(p.name for p in protos))
 
 
 class BuildPyWithStubs(build_py):

@@ -32,7 +32,7 @@ def test_sdist_then_wheel_contains_generated_stubs(tmp_path: Path) -> None:
         grpc_module = whl.read("vllm_router/proto/vllm_engine_pb2_grpc.py").decode()
     for name in GENERATED:
         assert f"vllm_router/proto/{name}" in wheel_names
-    assert "from . import vllm_engine_pb2 as" in grpc_module  # package-relative import
+    assert "from vllm_router.proto import vllm_engine_pb2 as" in grpc_module
     assert "GRPC_GENERATED_VERSION = '1.85.1'" in grpc_module
 
 
@@ -41,6 +41,14 @@ def test_stubs_are_not_tracked_by_git() -> None:
         ["git", "ls-files", "py_src/vllm_router/proto"], cwd=ROOT, capture_output=True, text=True
     ).stdout.split()
     assert tracked and not [p for p in tracked if "_pb2" in p], tracked
+
+
+def test_proto_is_registered_under_a_package_qualified_name() -> None:
+    # Another project's `vllm_engine.proto` (vLLM's own gRPC stubs) can live in the same process.
+    from vllm_router.proto import vllm_engine_pb2
+
+    assert vllm_engine_pb2.DESCRIPTOR.name == "vllm_router/proto/vllm_engine.proto"
+    assert vllm_engine_pb2.DESCRIPTOR.package == "vllm.engine.v1"
 
 
 def test_missing_stubs_raise_an_import_error_that_says_reinstall() -> None:

@@ -7,7 +7,6 @@ or UNKNOWN: only failures nobody anticipated end up there.
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -67,13 +66,16 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
 
 
-class _Malformed:
-    """Stands in for a request whose bytes did not parse."""
+class Malformed:
+    """Stands in for a request whose bytes did not parse (see MalformedRequestInterceptor)."""
 
     __slots__ = ("error",)
 
     def __init__(self, error: Exception) -> None:
         self.error = error
+
+    def invalid(self) -> InvalidRequest:
+        return InvalidRequest(f"the request message could not be parsed: {self.error}")
 
 
 def _tolerant(deserialize: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
@@ -81,20 +83,21 @@ def _tolerant(deserialize: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
         try:
             return deserialize(data)
         except Exception as exc:  # protobuf's DecodeError: corrupt bytes, bad UTF-8, ...
-            return _Malformed(exc)
+            return Malformed(exc)
 
     return parse
 
 
-async def _refuse_malformed(request: _Malformed, context: grpc.aio.ServicerContext) -> None:
-    await context.abort(
-        grpc.StatusCode.INVALID_ARGUMENT,
-        f"the request message could not be parsed: {request.error}",
-    )
-
-
 class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
-    """Answer unparsable request bytes with INVALID_ARGUMENT (gRPC itself says UNKNOWN)."""
+    """Answer unparsable request bytes with INVALID_ARGUMENT (gRPC itself says UNKNOWN).
+
+    Unary methods are wrapped here. Server-streaming methods of `streaming_service` get
+    only the tolerant parser (their handlers check for `Malformed` themselves), so the
+    per-message path stays exactly gRPC's own.
+    """
+
+    def __init__(self, streaming_service: str) -> None:
+        self._streaming_prefix = f"/{streaming_service}/"
 
     async def intercept_service(
         self,
@@ -109,28 +112,18 @@ class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
             behaviour = handler.unary_unary
 
             async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
-                if isinstance(request, _Malformed):
-                    await _refuse_malformed(request, context)
+                if isinstance(request, Malformed):
+                    invalid = request.invalid()
+                    await context.abort(invalid.code, invalid.message)
                 return await behaviour(request, context)
 
             return grpc.unary_unary_rpc_method_handler(
                 unary, request_deserializer=parse, response_serializer=handler.response_serializer
             )
-        if handler.unary_stream is not None:
-            stream = handler.unary_stream
-            generator = inspect.isasyncgenfunction(stream)
-
-            async def unary_stream(request: Any, context: grpc.aio.ServicerContext) -> None:
-                if isinstance(request, _Malformed):
-                    await _refuse_malformed(request, context)
-                if not generator:  # writes with context.write itself (e.g. health Watch)
-                    return await stream(request, context)
-                async for message in stream(request, context):
-                    await context.write(message)
-
+        if handler.unary_stream is not None and details.method.startswith(self._streaming_prefix):
             return grpc.unary_stream_rpc_method_handler(
-                unary_stream,
+                handler.unary_stream,
                 request_deserializer=parse,
                 response_serializer=handler.response_serializer,
             )
-        return handler  # client-streaming RPCs (reflection) parse per message
+        return handler

@@ -99,7 +99,7 @@ class RunningServer:
             max_concurrent_streams=config.max_concurrent_streams,
             max_prompt_tokens=config.max_prompt_tokens,
         )
-        interceptors: list[grpc.aio.ServerInterceptor] = [MalformedRequestInterceptor()]
+        interceptors: list[grpc.aio.ServerInterceptor] = [MalformedRequestInterceptor(SERVICE_NAME)]
         if config.api_key:
             interceptors.insert(0, ApiKeyInterceptor(config.api_key))
         self.server = grpc.aio.server(options=server_options(config), interceptors=interceptors)

@@ -16,7 +16,7 @@ import grpc
 
 from . import convert
 from .engine import AsyncEngine, EngineStep, LoadSnapshot
-from .errors import DuplicateRequest, EngineUnavailable, Overloaded, status_for
+from .errors import DuplicateRequest, EngineUnavailable, Malformed, Overloaded, status_for
 from .proto import vllm_engine_pb2 as pb
 from .proto import vllm_engine_pb2_grpc as pb_grpc
 
@@ -120,6 +120,8 @@ class VllmEngineServicer(pb_grpc.VllmEngineServicer):
             async with self._run(request) as (request_id, steps):
                 flight = self._in_flight[request_id]
                 async for step in steps:
+                    if step.finished:
+                        self._check_not_shut_down(step)
                     metrics = self._worker_metrics() if first or step.finished else None
                     first = False
                     message = convert.stream_message(request_id, step, metrics)
@@ -139,6 +141,8 @@ class VllmEngineServicer(pb_grpc.VllmEngineServicer):
             async with self._run(request) as (request_id, steps):
                 async for step in steps:
                     result.add(step)
+                    if step.finished:
+                        self._check_not_shut_down(step)
             return result.response(request_id, self._worker_metrics())
         except Exception as exc:
             await _fail(context, exc)
@@ -200,6 +204,8 @@ class VllmEngineServicer(pb_grpc.VllmEngineServicer):
     async def _run(
         self, request: pb.GenerateRequest
     ) -> AsyncIterator[tuple[str, AsyncIterator[EngineStep]]]:
+        if isinstance(request, Malformed):
+            raise request.invalid()
         if self._draining:
             raise EngineUnavailable("server is draining (shutting down); retry on another worker")
         self._require_live_engine()
@@ -224,9 +230,8 @@ class VllmEngineServicer(pb_grpc.VllmEngineServicer):
                 generation.dp_rank,
             )
         steps = self._engine.generate(generation)
-        watched = self._watch(steps)
         try:
-            yield request_id, watched
+            yield request_id, steps
         except EngineUnavailable:
             if self._engine.errored and self._on_engine_dead is not None:
                 self._on_engine_dead()
@@ -234,20 +239,17 @@ class VllmEngineServicer(pb_grpc.VllmEngineServicer):
         finally:
             # Closing the engine's iterator early (client cancel, deadline,
             # error) aborts the request inside the engine.
-            await watched.aclose()
             await steps.aclose()
             del self._in_flight[request_id]
             if not self._in_flight:
                 self._idle.set()
 
-    async def _watch(self, steps: AsyncIterator[EngineStep]) -> AsyncIterator[EngineStep]:
-        async for step in steps:
-            if step.finished and step.finish_reason == "abort" and self._draining:
-                raise EngineUnavailable(
-                    "server shut down before the request finished (aborted after the drain "
-                    "grace period); retry on another worker"
-                )
-            yield step
+    def _check_not_shut_down(self, step: EngineStep) -> None:
+        if step.finish_reason == "abort" and self._draining:
+            raise EngineUnavailable(
+                "server shut down before the request finished (aborted after the drain "
+                "grace period); retry on another worker"
+            )
 
     def _worker_metrics(self) -> pb.WorkerMetrics:
         # The engine replaces its snapshot once per step; build the proto once per snapshot.
