@@ -30,6 +30,11 @@ ENGINE_FLAGS = ["--gpu-memory-utilization", "0.3", "--enforce-eager"]
 TARGETS = ("engine", "ours", "vllm-grpc", "vllm-http", "ours-mock", "grpc-floor")
 
 
+def warm_up(workload: Workload) -> Workload:
+    """Two waves at the measured concurrency: the engine's first large batches are slow."""
+    return Workload(**{**workload.__dict__, "requests": 2 * workload.concurrency})
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -116,12 +121,16 @@ async def measure_server(
             }[target]
             close, one = make(f"http://{address}" if target == "vllm-http" else address, workload)
             try:
-                warm = Workload(**{**workload.__dict__, "requests": min(8, workload.requests)})
-                await clients.drive(warm, one)
+                await clients.drive(warm_up(workload), one)
                 records, wall = await clients.drive(workload, one)
             finally:
                 await close()
             result = summarize(target, workload, records, wall)
+            # What each server does with text: vLLM's gRPC launcher never detokenizes,
+            # its HTTP server always does; ours and the engine do as the workload asks.
+            result["text"] = {"vllm-grpc": False, "vllm-http": True}.get(
+                target, not workload.skip_detokenize
+            )
             print(json.dumps(result), flush=True)
             results.append(result)
         return results
@@ -155,15 +164,16 @@ def measure_engine(args: argparse.Namespace, levels: list[Workload]) -> list[dic
 def table(results: list[dict]) -> str:
     engine = {r["concurrency"]: r for r in results if r["target"] == "engine"}
     header = (
-        "| target | conc | tokens/s | x engine | req/s | TTFT p50 / p90 / p99 ms | "
+        "| target | conc | text | tokens/s | x engine | req/s | TTFT p50 / p90 / p99 ms | "
         "ITL p50 / p99 ms | msgs/req | errors |"
     )
-    lines = [header, "|" + "---|" * 9]
+    lines = [header, "|" + "---|" * 10]
     for r in sorted(results, key=lambda r: (r["concurrency"], TARGETS.index(r["target"]))):
         base = engine.get(r["concurrency"])
         ratio = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}" if base else "-"
         lines.append(
-            f"| {r['target']} | {r['concurrency']} | {r['tokens_per_s']:,.0f} | {ratio} | "
+            f"| {r['target']} | {r['concurrency']} | {'yes' if r.get('text') else 'no'} | "
+            f"{r['tokens_per_s']:,.0f} | {ratio} | "
             f"{r['requests_per_s']:.1f} | {r['ttft_p50_ms']:.1f} / {r['ttft_p90_ms']:.1f} / "
             f"{r['ttft_p99_ms']:.1f} | {r['itl_p50_ms']:.2f} / {r['itl_p99_ms']:.2f} | "
             f"{r['messages_per_request']:.1f} | {r['errors']} |"
@@ -208,7 +218,7 @@ async def run(args: argparse.Namespace) -> None:
             prompt_len=args.prompt_len,
             output_len=args.output_len,
             sampled=args.sampled,
-            skip_detokenize=args.skip_detokenize,
+            skip_detokenize=not args.detokenize,
         )
         for c in args.concurrency
     ]
@@ -245,7 +255,12 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--max-model-len", type=int, default=512)
     parser.add_argument("--sampled", action="store_true", help="temperature 0.8 instead of greedy")
-    parser.add_argument("--skip-detokenize", action="store_true")
+    parser.add_argument(
+        "--detokenize",
+        action="store_true",
+        help="ask ours/engine for text too (default: token ids only, as a router that "
+        "detokenizes itself would, and as vLLM's --grpc launcher always does)",
+    )
     parser.add_argument("--out", type=Path, default=HERE / "results")
     args = parser.parse_args()
     args.targets = [t for t in args.targets.split(",") if t]

@@ -43,11 +43,12 @@ async def main(args: argparse.Namespace) -> None:
     try:
         for spec in json.loads(args.levels):
             workload = Workload(**spec)
-            await drive(
-                Workload(**{**spec, "requests": min(8, spec["requests"])}), one_for(workload)
-            )
+            warm_up = Workload(**{**spec, "requests": 2 * workload.concurrency})
+            await drive(warm_up, one_for(workload))
             records, wall = await drive(workload, one_for(workload))
-            print("RESULT " + json.dumps(summarize("engine", workload, records, wall)), flush=True)
+            result = summarize("engine", workload, records, wall)
+            result["text"] = not workload.skip_detokenize
+            print("RESULT " + json.dumps(result), flush=True)
     finally:
         llm.shutdown()
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import AsyncIterator, Mapping
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -289,9 +290,15 @@ class VllmEngine:
             )
         except Exception as exc:
             _reraise(exc)
-        prompt: dict[str, Any] = (
-            {"prompt_token_ids": ids} if ids is not None else {"prompt": request.prompt_text}
-        )
+        prompt: Any
+        if ids is not None:
+            # Rendered as vLLM's own completions server does: no tokenizer work and no
+            # thread-pool hop for a prompt that is already token ids.
+            prompt = self._llm.renderer.process_for_engine(
+                {"prompt_token_ids": ids}, arrival_time=time.time()
+            )
+        else:
+            prompt = {"prompt": request.prompt_text}  # tokenized by the engine
         top_k = options.logprobs if options.logprobs is not None and options.logprobs > 0 else 0
         want_logprobs = options.logprobs is not None
         produced = 0
