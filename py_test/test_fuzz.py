@@ -7,6 +7,7 @@ import asyncio
 import os
 
 import grpc
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -113,6 +114,7 @@ def _fuzz(address: str) -> dict[str, int]:
     return seen
 
 
+@pytest.mark.timeout(1800)
 async def test_fuzzed_requests_never_break_the_server(start_mock: StartServer, figures) -> None:
     mock = await start_mock()
     seen = await asyncio.to_thread(_fuzz, mock.address)
