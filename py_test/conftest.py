@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import sys
@@ -104,6 +105,22 @@ def request(
         prompt_token_ids=prompt or [],
         sampling_params=pb.SamplingParams(**sampling),  # type: ignore[arg-type]
     )
+
+
+async def wait_until(predicate: Callable[[], bool], timeout: float = 10.0, what: str = "") -> None:
+    """Poll `predicate` until it holds; fail with `what` after `timeout` seconds."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not predicate():
+        assert loop.time() < deadline, f"not reached in {timeout}s: {what or predicate}"
+        await asyncio.sleep(0.02)
+
+
+def real_engine_idle(harness: RealHarness) -> bool:
+    """The engine's own view (not the servicer's): nothing unfinished, scheduler empty."""
+    load = harness.engine.load()
+    unfinished = harness.engine.llm.get_num_unfinished_requests()
+    return unfinished == 0 and load.running_requests == 0 and load.waiting_requests == 0
 
 
 async def collect_stream(

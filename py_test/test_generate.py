@@ -6,14 +6,12 @@ token's text is " <id>", so every expectation below is exact.
 
 from __future__ import annotations
 
-import asyncio
-
 import grpc
 import pytest
 
 from vllm_router.proto import vllm_engine_pb2 as pb
 
-from conftest import Harness, StartServer, collect_stream, read_rest, request
+from conftest import Harness, StartServer, collect_stream, read_rest, request, wait_until
 
 
 async def test_token_prompt_generates_exact_tokens_text_and_usage(mock: Harness) -> None:
@@ -178,14 +176,6 @@ async def test_duplicate_request_id_in_flight_is_already_exists(start_mock: Star
     assert rest[-1].is_finished and rest[-1].usage.completion_tokens == 50
 
 
-async def _wait_until(predicate, timeout: float = 5.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not predicate():
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError("condition not reached in time")
-        await asyncio.sleep(0.01)
-
-
 async def test_client_cancel_aborts_the_engine_request(start_mock: StartServer) -> None:
     harness = await start_mock(step_delay=0.05)
     stream = harness.stub.GenerateStream(request([10], request_id="gone", max_tokens=1000))
@@ -193,7 +183,7 @@ async def test_client_cancel_aborts_the_engine_request(start_mock: StartServer) 
     assert first.token_ids
     assert harness.engine.load().running_requests == 1
     stream.cancel()
-    await _wait_until(lambda: harness.engine.load().running_requests == 0)
+    await wait_until(lambda: harness.engine.load().running_requests == 0)
     load = harness.engine.load()
     assert (load.running_requests, load.waiting_requests) == (0, 0)
     assert "gone" in harness.engine.aborted_ids
@@ -205,10 +195,10 @@ async def test_deadline_aborts_the_engine_request(start_mock: StartServer) -> No
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await harness.stub.Generate(request([10], request_id="late", max_tokens=1000), timeout=0.3)
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    await _wait_until(lambda: "late" in harness.engine.aborted_ids)
+    await wait_until(lambda: "late" in harness.engine.aborted_ids)
     load = harness.engine.load()
     assert (load.running_requests, load.waiting_requests) == (0, 0)
-    await _wait_until(lambda: not harness.server.servicer.in_flight)
+    await wait_until(lambda: not harness.server.servicer.in_flight)
 
 
 async def test_cancel_while_waiting_for_a_slot_leaves_nothing(start_mock: StartServer) -> None:
@@ -216,11 +206,11 @@ async def test_cancel_while_waiting_for_a_slot_leaves_nothing(start_mock: StartS
     running = harness.stub.GenerateStream(request([10], request_id="r", max_tokens=1000))
     await running.read()
     waiting = harness.stub.GenerateStream(request([10], request_id="w", max_tokens=5))
-    await _wait_until(lambda: harness.engine.load().waiting_requests == 1)
+    await wait_until(lambda: harness.engine.load().waiting_requests == 1)
     waiting.cancel()
-    await _wait_until(lambda: harness.engine.load().waiting_requests == 0)
+    await wait_until(lambda: harness.engine.load().waiting_requests == 0)
     running.cancel()
-    await _wait_until(lambda: harness.engine.load().running_requests == 0)
+    await wait_until(lambda: harness.engine.load().running_requests == 0)
     # The slot of the cancelled requests is free again.
     response = await harness.stub.Generate(request([10], max_tokens=2), timeout=5)
     assert list(response.output_token_ids) == [11, 12]
@@ -249,7 +239,7 @@ async def test_metrics_come_from_the_engine_scheduler(start_mock: StartServer) -
     assert (first.metrics.running_requests, first.metrics.waiting_requests) == (1, 0)
     assert first.metrics.kv_cache_usage_percent > 0
     queued_stream = harness.stub.GenerateStream(request([10], max_tokens=2))
-    await _wait_until(lambda: harness.engine.load().waiting_requests == 1)
+    await wait_until(lambda: harness.engine.load().waiting_requests == 1)
     rest = await read_rest(first_stream)
     last = rest[-1]
     assert last.is_finished

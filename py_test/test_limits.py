@@ -15,15 +15,7 @@ from vllm_router.proto import vllm_engine_pb2_grpc as pb_grpc
 from vllm_router.server import PortUnavailable, ServerConfig, start_server
 
 import servers
-from conftest import StartServer, read_rest, request
-
-
-async def _until(predicate, timeout: float = 10.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not predicate():
-        assert loop.time() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.02)
+from conftest import StartServer, read_rest, request, wait_until
 
 
 async def test_max_concurrent_streams_rejects_at_once(start_mock: StartServer) -> None:
@@ -39,7 +31,7 @@ async def test_max_concurrent_streams_rejects_at_once(start_mock: StartServer) -
     assert "--max-concurrent-streams 2" in err.value.details()
     assert loop.time() - started < 1.0  # refused, not queued
     streams[0].cancel()
-    await _until(lambda: len(harness.server.servicer.in_flight) == 1)
+    await wait_until(lambda: len(harness.server.servicer.in_flight) == 1)
     ok = await harness.stub.Generate(request([10], max_tokens=1))
     assert list(ok.output_token_ids) == [11]
     streams[1].cancel()
@@ -67,8 +59,8 @@ async def test_client_that_stops_reading_is_aborted_after_the_stall_timeout(
         request([10], request_id="stalled", max_tokens=40_000_000, ignore_eos=True)
     )
     await stream.read()  # then never read again: flow control backs up on the server
-    await _until(lambda: "stalled" in harness.engine.aborted_ids, timeout=30)
-    await _until(lambda: not harness.server.servicer.in_flight)
+    await wait_until(lambda: "stalled" in harness.engine.aborted_ids, timeout=30)
+    await wait_until(lambda: not harness.server.servicer.in_flight)
     assert harness.engine.load().running_requests == 0
     stream.cancel()
 

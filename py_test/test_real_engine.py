@@ -6,7 +6,6 @@ test then checks how a request option changes that output, exactly.
 
 from __future__ import annotations
 
-import asyncio
 import json
 
 import grpc
@@ -14,7 +13,7 @@ import pytest
 
 from vllm_router.proto import vllm_engine_pb2 as pb
 
-from conftest import RealHarness, collect_stream, read_rest
+from conftest import RealHarness, collect_stream, read_rest, real_engine_idle, wait_until
 from real_engine import MAX_MODEL_LEN
 
 pytestmark = pytest.mark.vllm
@@ -42,18 +41,8 @@ async def prompt_ending_in_eos(real: RealHarness) -> tuple[list[int], pb.Generat
     raise AssertionError("no prompt of the tiny model ends in EOS within 48 tokens")
 
 
-async def engine_is_idle(real: RealHarness, timeout: float = 5.0) -> None:
-    """The engine's own view (not the servicer's): no unfinished request, scheduler empty."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while True:
-        load = real.engine.load()
-        unfinished = real.engine.llm.get_num_unfinished_requests()
-        if unfinished == 0 and load.running_requests == 0 and load.waiting_requests == 0:
-            return
-        if loop.time() > deadline:
-            raise AssertionError(f"engine still busy: {unfinished} unfinished, {load}")
-        await asyncio.sleep(0.02)
+async def engine_is_idle(real: RealHarness) -> None:
+    await wait_until(lambda: real_engine_idle(real), 5.0, "the engine to be idle")
 
 
 async def test_model_info_matches_the_checkpoint(real: RealHarness) -> None:

@@ -108,6 +108,7 @@ class RunningServer:
         self._shutdown = asyncio.Event()
         self._abort_now = asyncio.Event()
         self._poke = asyncio.Event()
+        self._health_status = health_pb2.HealthCheckResponse.NOT_SERVING
         self._background: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:
@@ -118,7 +119,7 @@ class RunningServer:
         )
         self._listen()
         for service in ("", SERVICE_NAME):
-            await self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+            await self.health.set(service, self._health_status)
         await self.server.start()
         if self.config.uds:
             os.chmod(self.config.uds, 0o600)  # only this user (the co-located router)
@@ -163,8 +164,10 @@ class RunningServer:
             healthy = False
         status = health_pb2.HealthCheckResponse
         value = status.SERVING if healthy and not self.servicer.draining else status.NOT_SERVING
-        for service in ("", SERVICE_NAME):
-            await self.health.set(service, value)
+        if value != self._health_status:
+            self._health_status = value
+            for service in ("", SERVICE_NAME):
+                await self.health.set(service, value)
         return healthy
 
     async def _watch_engine(self) -> None:

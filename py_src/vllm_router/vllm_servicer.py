@@ -119,6 +119,7 @@ class VllmEngineServicer(pb_grpc.VllmEngineServicer):
             first = True
             async with self._run(request) as (request_id, steps):
                 flight = self._in_flight[request_id]
+                clock = asyncio.get_running_loop().time
                 async for step in steps:
                     if step.finished:
                         self._check_not_shut_down(step)
@@ -127,7 +128,7 @@ class VllmEngineServicer(pb_grpc.VllmEngineServicer):
                     message = convert.stream_message(request_id, step, metrics)
                     # The generator resumes once gRPC has sent the message; a client that
                     # stops reading keeps it suspended here (see watch_stalled_streams).
-                    flight.sending_since = asyncio.get_running_loop().time()
+                    flight.sending_since = clock()
                     yield message
                     flight.sending_since = None
         except Exception as exc:

@@ -10,7 +10,7 @@ import grpc
 import pytest
 
 from .conftest import scale
-from conftest import RealHarness, request
+from conftest import RealHarness, real_engine_idle, request, wait_until
 
 pytestmark = pytest.mark.vllm
 
@@ -46,14 +46,7 @@ async def test_real_engine_cancel_storm(real: RealHarness, figures) -> None:
     for batch in range(0, n, 50):
         await asyncio.gather(*(one(i) for i in range(batch, min(n, batch + 50))))
     elapsed = time.perf_counter() - started
-    deadline = time.monotonic() + 15
-    while True:
-        load = real.engine.load()
-        unfinished = real.engine.llm.get_num_unfinished_requests()
-        if not unfinished and not load.running_requests and not load.waiting_requests:
-            break
-        assert time.monotonic() < deadline, f"engine still busy: {unfinished}, {load}"
-        await asyncio.sleep(0.05)
+    await wait_until(lambda: real_engine_idle(real), 15, "the engine to be idle")
     assert real.server.servicer.in_flight == frozenset()
     figures(
         f"{n} requests on the real engine in {elapsed:.1f}s, outcomes "
