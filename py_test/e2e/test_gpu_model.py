@@ -57,7 +57,10 @@ def _prompt_ids(text: str) -> list[int]:
 
     tokenizer = AutoTokenizer.from_pretrained(MODEL)
     messages = [{"role": "user", "content": text}]
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    encoded = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=True
+    )
+    return list(encoded["input_ids"])
 
 
 async def test_greedy_factual_answer(gpu) -> None:
