@@ -62,8 +62,8 @@ class EngineStep:
     finished: bool
     # "stop" | "length" | "abort" on the finished step.
     finish_reason: str | None = None
-    # What matched when finish_reason is "stop": a stop token id or stop string;
-    # None for EOS (the EOS id is then the last token).
+    # What matched when finish_reason is "stop": the stop string, or the token id
+    # that ended it (a stop token id or the EOS id). None for other finishes.
     stop_reason: int | str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0  # cumulative
