@@ -130,12 +130,10 @@ def build_parser(with_vllm: bool) -> argparse.ArgumentParser:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-        parser: argparse.ArgumentParser = FlexibleArgumentParser(
-            prog="vllm-servicer", description=description
-        )
-        _add_server_flags(parser, with_log_level=False)
-        _add_mock_flags(parser, with_log_requests=False)
-        AsyncEngineArgs.add_cli_args(parser)
+        flexible = FlexibleArgumentParser(prog="vllm-servicer", description=description)
+        _add_server_flags(flexible, with_log_level=False)
+        _add_mock_flags(flexible, with_log_requests=False)
+        parser: argparse.ArgumentParser = AsyncEngineArgs.add_cli_args(flexible)
     else:
         parser = argparse.ArgumentParser(
             prog="vllm-servicer",

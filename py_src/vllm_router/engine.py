@@ -6,7 +6,7 @@ Both adapters (`vllm_engine.VllmEngine` over vLLM's AsyncLLM and
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -107,7 +107,7 @@ class AsyncEngine(Protocol):
     @property
     def errored(self) -> bool: ...
 
-    def generate(self, request: GenerationRequest) -> AsyncIterator[EngineStep]:
+    def generate(self, request: GenerationRequest) -> AsyncGenerator[EngineStep, None]:
         """Yield one EngineStep per engine step; the last one has finished=True.
 
         Closing the iterator early aborts the request in the engine.

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import math
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 
 from . import __version__
@@ -183,7 +183,7 @@ class MockAsyncEngine:
         for request_id in list(self._requests):
             await self.abort(request_id)
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[EngineStep]:
+    async def generate(self, request: GenerationRequest) -> AsyncGenerator[EngineStep, None]:
         await self.check_health()
         validate_sampling(request.sampling, request.detokenize)
         if request.request_id in self._requests:
@@ -262,7 +262,7 @@ class MockAsyncEngine:
                 self._cached_blocks.add(key)
         return cached
 
-    async def _decode(self, state: _Request) -> AsyncIterator[EngineStep]:
+    async def _decode(self, state: _Request) -> AsyncGenerator[EngineStep, None]:
         facts = self._facts
         s = state.request.sampling
         prompt = state.prompt

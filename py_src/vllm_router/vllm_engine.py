@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, Mapping
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from .engine import (
@@ -202,7 +202,7 @@ class VllmEngine:
         generation_eos = model_config.try_get_generation_config().get("eos_token_id")
         if generation_eos is not None:
             eos_ids.update([generation_eos] if isinstance(generation_eos, int) else generation_eos)
-        served = model_config.served_model_name
+        served = model_config.served_model_name or model_config.model
         self._facts = ModelFacts(
             model_name=model_config.model,
             served_model_name=served if isinstance(served, str) else served[0],
@@ -277,7 +277,7 @@ class VllmEngine:
     async def shutdown(self) -> None:
         self._llm.shutdown()
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[EngineStep]:
+    async def generate(self, request: GenerationRequest) -> AsyncGenerator[EngineStep, None]:
         ids = request.prompt_token_ids
         options = request.sampling
         try:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 
 import grpc
 
@@ -204,7 +204,7 @@ class VllmEngineServicer(pb_grpc.VllmEngineServicer):
     @contextlib.asynccontextmanager
     async def _run(
         self, request: pb.GenerateRequest
-    ) -> AsyncIterator[tuple[str, AsyncIterator[EngineStep]]]:
+    ) -> AsyncIterator[tuple[str, AsyncGenerator[EngineStep, None]]]:
         if isinstance(request, Malformed):
             raise request.invalid()
         if self._draining:

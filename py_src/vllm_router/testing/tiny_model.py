@@ -109,7 +109,7 @@ def _build(out: Path, generation_defaults: dict[str, Any]) -> None:
     model = LlamaForCausalLM(config)
     with torch.no_grad():
         model.lm_head.weight[tokenizer.eos_token_id] *= EOS_ROW_SCALE
-    model = model.to(torch.bfloat16)
+    model.to(torch.bfloat16)  # type: ignore[arg-type]  # transformers mistypes .to
     model.generation_config = GenerationConfig(
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
