@@ -20,8 +20,6 @@ from typing import Any
 from .engine import AsyncEngine
 from .server import PortUnavailable, ServerConfig, serve
 
-logger = logging.getLogger("vllm_router")
-
 EXIT_USAGE = 2
 API_KEY_ENV = "VLLM_SERVICER_API_KEY"
 NO_VLLM_MESSAGE = (

@@ -88,6 +88,32 @@ def _tolerant(deserialize: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
     return parse
 
 
+_HANDLER_KINDS: dict[str, Callable[..., grpc.RpcMethodHandler]] = {
+    "unary_unary": grpc.unary_unary_rpc_method_handler,
+    "unary_stream": grpc.unary_stream_rpc_method_handler,
+    "stream_unary": grpc.stream_unary_rpc_method_handler,
+    "stream_stream": grpc.stream_stream_rpc_method_handler,
+}
+
+
+def rebuild_handler(
+    handler: grpc.RpcMethodHandler,
+    *,
+    behaviour: Callable[..., Any] | None = None,
+    request_deserializer: Callable[[bytes], Any] | None = None,
+) -> grpc.RpcMethodHandler:
+    """`handler` of the same streaming shape with its behaviour and/or parser replaced."""
+    for kind, make in _HANDLER_KINDS.items():
+        original = getattr(handler, kind)
+        if original is not None:
+            return make(
+                behaviour or original,
+                request_deserializer=request_deserializer or handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+    raise ValueError("handler has no behaviour")
+
+
 class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
     """Answer unparsable request bytes with INVALID_ARGUMENT (gRPC itself says UNKNOWN).
 
@@ -117,13 +143,7 @@ class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
                     await context.abort(invalid.code, invalid.message)
                 return await behaviour(request, context)
 
-            return grpc.unary_unary_rpc_method_handler(
-                unary, request_deserializer=parse, response_serializer=handler.response_serializer
-            )
+            return rebuild_handler(handler, behaviour=unary, request_deserializer=parse)
         if handler.unary_stream is not None and details.method.startswith(self._streaming_prefix):
-            return grpc.unary_stream_rpc_method_handler(
-                handler.unary_stream,
-                request_deserializer=parse,
-                response_serializer=handler.response_serializer,
-            )
+            return rebuild_handler(handler, request_deserializer=parse)
         return handler

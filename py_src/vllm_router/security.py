@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import hmac
-import logging
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import grpc
 
-logger = logging.getLogger(__name__)
+from .errors import rebuild_handler
 
 # Kubernetes probes and load balancers must reach health without a token.
 UNAUTHENTICATED_PREFIXES = ("/grpc.health.v1.Health/",)
@@ -34,29 +33,11 @@ def server_credentials(
     )
 
 
-def _deny(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-    """A handler of the same shape as `handler` that answers UNAUTHENTICATED."""
-
-    async def refuse(_request: Any, context: grpc.aio.ServicerContext) -> None:
-        await context.abort(
-            grpc.StatusCode.UNAUTHENTICATED,
-            "missing or invalid credentials: send metadata 'authorization: Bearer <api key>'",
-        )
-
-    kinds: dict[str, Callable[..., grpc.RpcMethodHandler]] = {
-        "unary_unary": grpc.unary_unary_rpc_method_handler,
-        "unary_stream": grpc.unary_stream_rpc_method_handler,
-        "stream_unary": grpc.stream_unary_rpc_method_handler,
-        "stream_stream": grpc.stream_stream_rpc_method_handler,
-    }
-    for kind, make in kinds.items():
-        if getattr(handler, kind) is not None:
-            return make(
-                refuse,
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer,
-            )
-    raise ValueError("handler has no behaviour")
+async def _refuse(_request: Any, context: grpc.aio.ServicerContext) -> None:
+    await context.abort(
+        grpc.StatusCode.UNAUTHENTICATED,
+        "missing or invalid credentials: send metadata 'authorization: Bearer <api key>'",
+    )
 
 
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
@@ -82,4 +63,4 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
                 break
         if hmac.compare_digest(presented, self._expected):
             return handler
-        return _deny(handler)
+        return rebuild_handler(handler, behaviour=_refuse)

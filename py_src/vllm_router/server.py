@@ -118,8 +118,7 @@ class RunningServer:
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server
         )
         self._listen()
-        for service in ("", SERVICE_NAME):
-            await self.health.set(service, self._health_status)
+        await self._set_health(self._health_status)
         await self.server.start()
         if self.config.uds:
             os.chmod(self.config.uds, 0o600)  # only this user (the co-located router)
@@ -165,10 +164,13 @@ class RunningServer:
         status = health_pb2.HealthCheckResponse
         value = status.SERVING if healthy and not self.servicer.draining else status.NOT_SERVING
         if value != self._health_status:
-            self._health_status = value
-            for service in ("", SERVICE_NAME):
-                await self.health.set(service, value)
+            await self._set_health(value)
         return healthy
+
+    async def _set_health(self, value: health_pb2.HealthCheckResponse.ServingStatus) -> None:
+        self._health_status = value
+        for service in ("", SERVICE_NAME):
+            await self.health.set(service, value)
 
     async def _watch_engine(self) -> None:
         """Follow engine health until cancelled; a failed request pokes it at once."""
