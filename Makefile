@@ -33,7 +33,7 @@ help:
 	@echo "make serve   serve the tiny built-in model on $(HOST):$(PORT) (MODEL=..., MOCK=1)"
 	@echo "make stress  the soak/storm/fuzz suites at full scale"
 	@echo "make bench   benchmark ours vs vLLM's HTTP and gRPC servers vs the engine alone"
-	@echo "make lint    ruff format --check + ruff check"
+	@echo "make lint    ruff format --check + ruff check + mypy"
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -97,6 +97,7 @@ bench: install
 lint: install
 	$(BIN)/ruff format --check py_src py_test benchmarks
 	$(BIN)/ruff check py_src py_test benchmarks
+	$(BIN)/mypy
 
 format: install
 	$(BIN)/ruff format py_src py_test benchmarks

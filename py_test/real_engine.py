@@ -6,8 +6,12 @@ import importlib.util
 import subprocess
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from conftest import require
+from harness import require
+
+if TYPE_CHECKING:
+    from vllm_router.engine.vllm import VllmEngine
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL_CACHE = ROOT / ".cache"
@@ -46,10 +50,10 @@ def tiny_model(temperature: float | None = None) -> Path:
     return target
 
 
-def start_engine(model: Path):
+def start_engine(model: Path) -> VllmEngine:
     """A VllmEngine over AsyncLLM; call inside the test session's event loop."""
     from vllm.engine.arg_utils import AsyncEngineArgs
 
-    from vllm_router.vllm_engine import VllmEngine
+    from vllm_router.engine.vllm import VllmEngine
 
     return VllmEngine.from_engine_args(AsyncEngineArgs(model=str(model), **ENGINE_FLAGS))

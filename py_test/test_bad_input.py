@@ -8,23 +8,17 @@ import grpc
 import pytest
 
 from vllm_router.proto import vllm_engine_pb2 as pb
+from vllm_router.server import ServerConfig
 
-from conftest import Harness
+from harness import Harness, StartServer, request
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
 UNIMPLEMENTED = grpc.StatusCode.UNIMPLEMENTED
 VOCAB, MAX_LEN = 32000, 4096  # the mock's defaults
 
 
-def _req(prompt: list[int] | None = None, **sampling: object) -> pb.GenerateRequest:
-    return pb.GenerateRequest(
-        prompt_token_ids=[10] if prompt is None else prompt,
-        sampling_params=pb.SamplingParams(**sampling),  # type: ignore[arg-type]
-    )
-
-
 def _with(**fields: object) -> pb.GenerateRequest:
-    req = _req(max_tokens=2)
+    req = request([10], max_tokens=2)
     for name, value in fields.items():
         if name == "multimodal_data":
             req.multimodal_data.add(modality="image", data=b"\x89PNG")
@@ -35,51 +29,66 @@ def _with(**fields: object) -> pb.GenerateRequest:
 
 CASES = [
     ("empty prompt", pb.GenerateRequest(), INVALID, "prompt"),
-    ("token id = vocab", _req([5, VOCAB]), INVALID, "prompt_token_ids[1] = 32000"),
-    ("token id 2^32-1", _req([2**32 - 1]), INVALID, "prompt_token_ids[0]"),
-    ("prompt = max_model_len", _req([5] * MAX_LEN), INVALID, "max_model_len"),
-    ("prompt + max_tokens > context", _req([5] * 4000, max_tokens=97), INVALID, "max_tokens"),
-    ("max_tokens 2^32-1", _req(max_tokens=2**32 - 1), INVALID, "max_tokens"),
-    ("temperature NaN", _req(temperature=math.nan), INVALID, "temperature"),
-    ("temperature inf", _req(temperature=math.inf), INVALID, "temperature"),
-    ("temperature -1", _req(temperature=-1.0), INVALID, "temperature"),
-    ("temperature 3", _req(temperature=3.0), INVALID, "temperature"),
-    ("top_p 0", _req(top_p=0.0), INVALID, "top_p"),
-    ("top_p 1.5", _req(top_p=1.5), INVALID, "top_p"),
-    ("top_p NaN", _req(top_p=math.nan), INVALID, "top_p"),
-    ("top_k -2", _req(top_k=-2), INVALID, "top_k"),
-    ("min_p 1.5", _req(min_p=1.5), INVALID, "min_p"),
-    ("max_tokens 0", _req(max_tokens=0), INVALID, "max_tokens"),
-    ("min_tokens > max_tokens", _req(max_tokens=2, min_tokens=3), INVALID, "min_tokens"),
-    ("frequency_penalty 3", _req(frequency_penalty=3.0), INVALID, "frequency_penalty"),
-    ("presence_penalty -3", _req(presence_penalty=-3.0), INVALID, "presence_penalty"),
-    ("repetition_penalty 0", _req(repetition_penalty=0.0), INVALID, "repetition_penalty"),
-    ("repetition_penalty inf", _req(repetition_penalty=math.inf), INVALID, "repetition_penalty"),
-    ("empty stop string", _req(stop=["ok", ""]), INVALID, "stop[1]"),
-    ("too many stop strings", _req(stop=["x"] * 10_000), INVALID, "sampling_params.stop"),
-    ("logprobs -2", _req(logprobs=-2), INVALID, "logprobs"),
-    ("logprobs 1000", _req(logprobs=1000), INVALID, "logprobs"),
+    ("token id = vocab", request([5, VOCAB]), INVALID, "prompt_token_ids[1] = 32000"),
+    ("token id 2^32-1", request([2**32 - 1]), INVALID, "prompt_token_ids[0]"),
+    ("prompt = max_model_len", request([5] * MAX_LEN), INVALID, "max_model_len"),
+    ("prompt + max_tokens > context", request([5] * 4000, max_tokens=97), INVALID, "max_tokens"),
+    ("max_tokens 2^32-1", request([10], max_tokens=2**32 - 1), INVALID, "max_tokens"),
+    ("temperature NaN", request([10], temperature=math.nan), INVALID, "temperature"),
+    ("temperature inf", request([10], temperature=math.inf), INVALID, "temperature"),
+    ("temperature -1", request([10], temperature=-1.0), INVALID, "temperature"),
+    ("temperature 3", request([10], temperature=3.0), INVALID, "temperature"),
+    ("top_p 0", request([10], top_p=0.0), INVALID, "top_p"),
+    ("top_p 1.5", request([10], top_p=1.5), INVALID, "top_p"),
+    ("top_p NaN", request([10], top_p=math.nan), INVALID, "top_p"),
+    ("top_k -2", request([10], top_k=-2), INVALID, "top_k"),
+    ("min_p 1.5", request([10], min_p=1.5), INVALID, "min_p"),
+    ("max_tokens 0", request([10], max_tokens=0), INVALID, "max_tokens"),
+    ("min_tokens > max_tokens", request([10], max_tokens=2, min_tokens=3), INVALID, "min_tokens"),
+    ("frequency_penalty 3", request([10], frequency_penalty=3.0), INVALID, "frequency_penalty"),
+    ("presence_penalty -3", request([10], presence_penalty=-3.0), INVALID, "presence_penalty"),
+    ("repetition_penalty 0", request([10], repetition_penalty=0.0), INVALID, "repetition_penalty"),
+    (
+        "repetition_penalty inf",
+        request([10], repetition_penalty=math.inf),
+        INVALID,
+        "repetition_penalty",
+    ),
+    ("empty stop string", request([10], stop=["ok", ""]), INVALID, "stop[1]"),
+    ("too many stop strings", request([10], stop=["x"] * 10_000), INVALID, "sampling_params.stop"),
+    ("logprobs -2", request([10], logprobs=-2), INVALID, "logprobs"),
+    ("logprobs 1000", request([10], logprobs=1000), INVALID, "logprobs"),
     ("1 MiB request_id", _with(request_id="r" * (1 << 20)), INVALID, "request_id"),
     ("dp_rank huge", _with(dp_rank=2**32 - 1), INVALID, "dp_rank"),
     ("prefill-only mode", _with(execution_mode=1), UNIMPLEMENTED, "execution_mode"),
     ("decode-only mode", _with(execution_mode=2), UNIMPLEMENTED, "execution_mode"),
     ("unknown execution_mode", _with(execution_mode=7), INVALID, "execution_mode"),
     ("multimodal item", _with(multimodal_data=True), UNIMPLEMENTED, "multimodal_data"),
-    ("1M prompt tokens", _req([5] * 1_000_000, max_tokens=1), INVALID, "max_model_len"),
-    ("max_tokens 2^31-1", _req(max_tokens=2**31 - 1), INVALID, "max_tokens"),
-    ("stop string too long", _req(stop=["x" * 2000]), INVALID, "stop[0]"),
-    ("min_tokens 2^32-1", _req(max_tokens=2, min_tokens=2**32 - 1), INVALID, "min_tokens"),
-    ("min_p negative", _req(min_p=-0.1), INVALID, "min_p"),
-    ("min_p NaN", _req(min_p=math.nan), INVALID, "min_p"),
-    ("top_p negative", _req(top_p=-1.0), INVALID, "top_p"),
-    ("temperature 2.5", _req(temperature=2.5), INVALID, "temperature"),
-    ("presence_penalty inf", _req(presence_penalty=math.inf), INVALID, "presence_penalty"),
-    ("frequency_penalty NaN", _req(frequency_penalty=math.nan), INVALID, "frequency_penalty"),
-    ("repetition_penalty -1", _req(repetition_penalty=-1.0), INVALID, "repetition_penalty"),
+    ("1M prompt tokens", request([5] * 1_000_000, max_tokens=1), INVALID, "max_model_len"),
+    ("max_tokens 2^31-1", request([10], max_tokens=2**31 - 1), INVALID, "max_tokens"),
+    ("stop string too long", request([10], stop=["x" * 2000]), INVALID, "stop[0]"),
+    ("min_tokens 2^32-1", request([10], max_tokens=2, min_tokens=2**32 - 1), INVALID, "min_tokens"),
+    ("min_p negative", request([10], min_p=-0.1), INVALID, "min_p"),
+    ("min_p NaN", request([10], min_p=math.nan), INVALID, "min_p"),
+    ("top_p negative", request([10], top_p=-1.0), INVALID, "top_p"),
+    ("temperature 2.5", request([10], temperature=2.5), INVALID, "temperature"),
+    ("presence_penalty inf", request([10], presence_penalty=math.inf), INVALID, "presence_penalty"),
+    (
+        "frequency_penalty NaN",
+        request([10], frequency_penalty=math.nan),
+        INVALID,
+        "frequency_penalty",
+    ),
+    (
+        "repetition_penalty -1",
+        request([10], repetition_penalty=-1.0),
+        INVALID,
+        "repetition_penalty",
+    ),
     ("negative execution_mode", _with(execution_mode=-1), INVALID, "execution_mode"),
     ("dp_rank = dp_size", _with(dp_rank=1), INVALID, "dp_rank 1"),
     ("257-byte request_id", _with(request_id="é" * 128 + "x"), INVALID, "request_id"),
-    ("logprobs -1 (whole vocabulary)", _req(logprobs=-1), INVALID, "logprobs"),
+    ("logprobs -1 (whole vocabulary)", request([10], logprobs=-1), INVALID, "logprobs"),
 ]
 
 
@@ -100,13 +109,13 @@ async def test_bad_request_gets_precise_status(
         assert err.value.code() == code, (rpc, err.value.details())
         assert needle in err.value.details(), (rpc, err.value.details())
     # Nothing was left in flight and the server still serves.
-    assert mock.server.servicer.in_flight == frozenset()
+    assert mock.server.requests.in_flight == frozenset()
     health = await mock.stub.HealthCheck(pb.HealthCheckRequest())
     assert health.status == pb.HealthCheckResponse.SERVING
 
 
 async def test_stop_strings_need_detokenization(mock: Harness) -> None:
-    req = _req(max_tokens=2, stop=["x"])
+    req = request([10], max_tokens=2, stop=["x"])
     req.skip_detokenize = True
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await mock.stub.Generate(req)
@@ -114,14 +123,12 @@ async def test_stop_strings_need_detokenization(mock: Harness) -> None:
     assert "stop strings" in err.value.details()
 
 
-async def test_oversized_message_is_resource_exhausted(start_mock) -> None:
-    from vllm_router.server import ServerConfig
-
+async def test_oversized_message_is_resource_exhausted(start_mock: StartServer) -> None:
     harness = await start_mock(ServerConfig(port=0, max_message_bytes=64 * 1024))
     with pytest.raises(grpc.aio.AioRpcError) as err:
-        await harness.stub.Generate(_req([7] * 100_000, max_tokens=1))
+        await harness.stub.Generate(request([7] * 100_000, max_tokens=1))
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    ok = await harness.stub.Generate(_req([7], max_tokens=1))
+    ok = await harness.stub.Generate(request([7], max_tokens=1))
     assert list(ok.output_token_ids) == [8]
 
 
@@ -142,7 +149,3 @@ async def test_unparsable_bytes_are_invalid_argument(mock: Harness, raw: bytes) 
                 await result
         assert err.value.code() == INVALID, err.value.details()
         assert "could not be parsed" in err.value.details()
-
-
-def test_the_table_has_at_least_40_cases() -> None:
-    assert len(CASES) >= 40

@@ -16,7 +16,7 @@ from vllm_router.proto import vllm_engine_pb2 as pb
 from vllm_router.proto import vllm_engine_pb2_grpc as pb_grpc
 
 import servers
-from conftest import read_rest, require
+from harness import read_rest, request, require
 
 MOCK = ("--mock-engine", "--port", "0")
 
@@ -29,14 +29,6 @@ def _run(
         capture_output=True,
         text=True,
         timeout=timeout,
-    )
-
-
-def _req(max_tokens: int, request_id: str = "") -> pb.GenerateRequest:
-    return pb.GenerateRequest(
-        request_id=request_id,
-        prompt_token_ids=[10],
-        sampling_params=pb.SamplingParams(max_tokens=max_tokens),
     )
 
 
@@ -104,7 +96,7 @@ async def test_sigterm_drains_in_flight_streams_then_exits_zero() -> None:
     try:
         async with grpc.aio.insecure_channel(server.address) as channel:
             stub = pb_grpc.VllmEngineStub(channel)
-            streams = [stub.GenerateStream(_req(60)) for _ in range(5)]
+            streams = [stub.GenerateStream(request([10], max_tokens=60)) for _ in range(5)]
             for stream in streams:
                 await stream.read()
             server.process.send_signal(signal.SIGTERM)
@@ -114,7 +106,7 @@ async def test_sigterm_drains_in_flight_streams_then_exits_zero() -> None:
                 health_pb2.HealthCheckResponse.NOT_SERVING
             )
             with pytest.raises(grpc.aio.AioRpcError) as err:
-                await stub.Generate(_req(1))
+                await stub.Generate(request([10], max_tokens=1))
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE
             for stream in streams:
                 rest = await read_rest(stream)
@@ -131,7 +123,7 @@ async def test_grace_expiry_aborts_and_second_sigterm_is_immediate() -> None:
     try:
         async with grpc.aio.insecure_channel(server.address) as channel:
             stub = pb_grpc.VllmEngineStub(channel)
-            stream = stub.GenerateStream(_req(4000))
+            stream = stub.GenerateStream(request([10], max_tokens=4000))
             await stream.read()
             loop = asyncio.get_running_loop()
             started = loop.time()
@@ -147,3 +139,27 @@ async def test_grace_expiry_aborts_and_second_sigterm_is_immediate() -> None:
     finally:
         server.kill()
     assert "aborting" in "".join(server.log)
+
+
+def test_flags_derive_their_defaults_from_the_settings_dataclasses() -> None:
+    from vllm_router.cli import build_parser
+    from vllm_router.dataclass_flags import from_args
+    from vllm_router.server import ServerConfig
+    from vllm_router.testing.mock_engine import MockConfig
+
+    args = build_parser(with_vllm=False).parse_args([])
+    assert from_args(ServerConfig, args) == ServerConfig()
+    assert from_args(MockConfig, args, prefix="mock_") == MockConfig()
+    changed = build_parser(with_vllm=False).parse_args(
+        ["--max-concurrent-streams", "7", "--mock-step-delay", "0.5", "--enable-log-requests"]
+    )
+    config = from_args(ServerConfig, changed)
+    assert (config.max_concurrent_streams, config.enable_log_requests) == (7, True)
+    assert from_args(MockConfig, changed, prefix="mock_").step_delay == 0.5
+
+
+def test_empty_api_key_is_a_one_line_startup_error() -> None:
+    result = _run("--mock-engine", "--port", "0", "--api-key", "", timeout=30)
+    assert result.returncode == 1
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "API key must not be empty" in lines[0], result.stderr

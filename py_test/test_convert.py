@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
+import math
+from collections.abc import Callable
 
 import pytest
 
@@ -10,8 +13,9 @@ from vllm_router import convert
 from vllm_router.engine import EngineStep, ModelFacts, SamplingOptions, TokenLogprob
 from vllm_router.errors import InvalidRequest, Unsupported
 from vllm_router.proto import vllm_engine_pb2 as pb
+from vllm_router.serving.prompts import check_prompt
 
-from conftest import require
+from harness import require
 
 FACTS = ModelFacts("m", "m", 100, 50, 2, 16, (2,), "mock", "0")
 
@@ -38,22 +42,32 @@ def test_generation_request_fields() -> None:
 @pytest.mark.parametrize(
     ("req", "error", "needle"),
     [
-        (pb.GenerateRequest(prompt_token_ids=[50]), InvalidRequest, "0..49"),
-        (pb.GenerateRequest(prompt_token_ids=[1] * 100), InvalidRequest, "max_model_len 100"),
-        (
-            pb.GenerateRequest(
-                prompt_token_ids=[1] * 90, sampling_params=pb.SamplingParams(max_tokens=11)
-            ),
-            InvalidRequest,
-            "at most 10 tokens",
-        ),
         (pb.GenerateRequest(prompt_token_ids=[1], dp_rank=2), InvalidRequest, "0..1"),
         (pb.GenerateRequest(prompt_token_ids=[1], execution_mode=1), Unsupported, "PREFILL"),
+        (pb.GenerateRequest(prompt_token_ids=[1], execution_mode=9), InvalidRequest, "9"),
+        (pb.GenerateRequest(), InvalidRequest, "prompt is empty"),
+        (pb.GenerateRequest(prompt_token_ids=[1], request_id="é" * 200), InvalidRequest, "400"),
     ],
 )
 def test_validation(req: pb.GenerateRequest, error: type[Exception], needle: str) -> None:
     with pytest.raises(error, match=needle):
         convert.to_generation_request(req, FACTS)
+
+
+@pytest.mark.parametrize(
+    ("prompt", "max_tokens", "limit", "needle"),
+    [
+        ([50], None, 0, "prompt_token_ids\\[0\\] = 50 .* 0..49"),
+        ([1] * 100, None, 0, "max_model_len 100"),
+        ([1] * 90, 11, 0, "at most 10 tokens"),
+        ([1] * 9, None, 8, "at most 8 \\(--max-prompt-tokens\\)"),
+        ([], None, 0, "empty"),
+    ],
+)
+def test_prompt_checks(prompt: list[int], max_tokens: int | None, limit: int, needle: str) -> None:
+    with pytest.raises(InvalidRequest, match=needle):
+        check_prompt(prompt, max_tokens, FACTS, max_prompt_tokens=limit)
+    check_prompt([1] * 89, 11, FACTS, max_prompt_tokens=89)  # exactly fits: no error
 
 
 def test_stream_message_final_fields() -> None:
@@ -96,7 +110,7 @@ def _vllm() -> None:
 
 def test_unset_fields_take_model_defaults_then_vllm_neutral_values() -> None:
     _vllm()
-    from vllm_router.vllm_engine import build_sampling_params
+    from vllm_router.engine.vllm_params import build_sampling_params
 
     params = build_sampling_params(
         SamplingOptions(top_p=0.5),
@@ -116,7 +130,7 @@ def test_set_fields_override_and_max_tokens_default_is_capped() -> None:
     _vllm()
     from vllm.sampling_params import RequestOutputKind
 
-    from vllm_router.vllm_engine import build_sampling_params
+    from vllm_router.engine.vllm_params import build_sampling_params
 
     params = build_sampling_params(
         SamplingOptions(temperature=0.0, stop=("x",), stop_token_ids=(5,), logprobs=3),
@@ -144,8 +158,8 @@ def test_vllm_exceptions_map_to_servicer_errors() -> None:
     from vllm.exceptions import VLLMValidationError
     from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
 
+    from vllm_router.engine.vllm_params import translate_error as _translate
     from vllm_router.errors import EngineUnavailable
-    from vllm_router.vllm_engine import _translate
 
     assert isinstance(_translate(EngineDeadError()), EngineUnavailable)
     assert isinstance(_translate(VLLMValidationError("bad top_p")), InvalidRequest)
@@ -155,3 +169,66 @@ def test_vllm_exceptions_map_to_servicer_errors() -> None:
     assert isinstance(translated, InvalidRequest) and "99" in str(translated)
     other = RuntimeError("boom")
     assert _translate(other) is other
+
+
+def _set_fields(options: SamplingOptions) -> list[tuple[str, object]]:
+    return [(k, v) for k, v in dataclasses.asdict(options).items() if v not in (None, ())]
+
+
+MOCK_RULE_CASES = [
+    SamplingOptions(temperature=math.nan),
+    SamplingOptions(temperature=math.inf),
+    SamplingOptions(temperature=-1.0),
+    SamplingOptions(temperature=2.5),
+    SamplingOptions(temperature=2.0),
+    SamplingOptions(temperature=0.0),
+    SamplingOptions(top_p=0.0),
+    SamplingOptions(top_p=1.5),
+    SamplingOptions(top_p=math.nan),
+    SamplingOptions(top_p=1.0),
+    SamplingOptions(top_k=-2),
+    SamplingOptions(top_k=-1),
+    SamplingOptions(top_k=0),
+    SamplingOptions(top_k=7),
+    SamplingOptions(min_p=1.5),
+    SamplingOptions(min_p=-0.1),
+    SamplingOptions(min_p=math.nan),
+    SamplingOptions(min_p=1.0),
+    SamplingOptions(max_tokens=0),
+    SamplingOptions(max_tokens=2, min_tokens=3),
+    SamplingOptions(max_tokens=3, min_tokens=3),
+    SamplingOptions(frequency_penalty=3.0),
+    SamplingOptions(frequency_penalty=math.nan),
+    SamplingOptions(frequency_penalty=-2.0),
+    SamplingOptions(presence_penalty=-3.0),
+    SamplingOptions(presence_penalty=math.inf),
+    SamplingOptions(repetition_penalty=0.0),
+    SamplingOptions(repetition_penalty=math.inf),
+    SamplingOptions(repetition_penalty=-1.0),
+    SamplingOptions(repetition_penalty=1.3),
+]
+
+
+@pytest.mark.parametrize(
+    "options", MOCK_RULE_CASES, ids=lambda o: ",".join(f"{k}={v}" for k, v in _set_fields(o))
+)
+def test_the_mock_rejects_exactly_what_vllm_rejects(options: SamplingOptions) -> None:
+    _vllm()
+    from vllm.exceptions import VLLMClientError
+
+    from vllm_router.engine.vllm_params import build_sampling_params
+    from vllm_router.testing.mock_sampling import validate_sampling
+
+    def rejects(check: Callable[[], object]) -> bool:
+        try:
+            check()
+        except (ValueError, VLLMClientError, InvalidRequest):
+            return True
+        return False
+
+    vllm_rejects = rejects(
+        lambda: build_sampling_params(
+            options, model_defaults={}, prompt_len=1, max_model_len=4096, detokenize=True
+        )
+    )
+    assert rejects(lambda: validate_sampling(options, detokenize=True)) == vllm_rejects

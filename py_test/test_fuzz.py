@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from vllm_router.proto import vllm_engine_pb2 as pb
 from vllm_router.proto import vllm_engine_pb2_grpc as pb_grpc
 
-from conftest import StartServer
+from harness import StartServer
 
 EXAMPLES = 3000 if os.environ.get("VLLM_SERVICER_STRESS") == "full" else 300
 ALLOWED = {
@@ -121,5 +121,5 @@ async def test_fuzzed_requests_never_break_the_server(start_mock: StartServer, f
     figures(f"{2 * EXAMPLES} fuzzed requests and byte strings; status codes seen: {seen}")
     health = await mock.stub.HealthCheck(pb.HealthCheckRequest())
     assert health.status == pb.HealthCheckResponse.SERVING
-    assert mock.server.servicer.in_flight == frozenset()
+    assert mock.server.requests.in_flight == frozenset()
     assert mock.engine.load().running_requests == 0

@@ -10,8 +10,9 @@ import grpc
 import pytest
 
 from vllm_router.proto import vllm_engine_pb2 as pb
+from vllm_router.server import ServerConfig
 
-from conftest import Harness, StartServer, collect_stream, read_rest, request, wait_until
+from harness import Harness, StartServer, collect_stream, read_rest, request, wait_until
 
 
 async def test_token_prompt_generates_exact_tokens_text_and_usage(mock: Harness) -> None:
@@ -29,8 +30,10 @@ async def test_text_prompt_is_a_fallback_only(mock: Harness) -> None:
     )
     response = await mock.stub.Generate(text_only)
     assert list(response.output_token_ids) == [67, 68]  # "B" is byte 66
-    assert mock.engine.last_request.prompt_text == "AB"
-    assert mock.engine.last_request.prompt_token_ids is None
+    # Tokenized before admission: the engine only ever sees token ids.
+    assert mock.engine.last_request.prompt_token_ids == [65, 66]
+    assert mock.engine.last_request.prompt_text is None
+    assert response.usage.prompt_tokens == 2
 
     both = pb.GenerateRequest(
         prompt_token_ids=[5], prompt_text="AB", sampling_params=pb.SamplingParams(max_tokens=2)
@@ -38,7 +41,16 @@ async def test_text_prompt_is_a_fallback_only(mock: Harness) -> None:
     response = await mock.stub.Generate(both)
     assert list(response.output_token_ids) == [6, 7]
     assert mock.engine.last_request.prompt_token_ids == [5]
-    assert mock.engine.last_request.prompt_text is None
+
+
+async def test_text_prompts_get_every_prompt_check(start_mock: StartServer) -> None:
+    harness = await start_mock(ServerConfig(port=0, max_prompt_tokens=4), max_model_len=8)
+    for text, needle in (("ABCDE", "--max-prompt-tokens"), ("AB", "max_tokens")):
+        req = pb.GenerateRequest(prompt_text=text, sampling_params=pb.SamplingParams(max_tokens=7))
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await harness.stub.Generate(req)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert needle in err.value.details() and "prompt_text" in err.value.details()
 
 
 async def test_no_prompt_is_invalid_argument(mock: Harness) -> None:
@@ -143,9 +155,20 @@ async def test_skip_detokenize_returns_ids_without_text(mock: Harness) -> None:
 
 async def test_logprobs_align_with_tokens(mock: Harness) -> None:
     messages = await collect_stream(mock.stub, request([10], max_tokens=3, logprobs=2))
+    entries = [lp for m in messages for lp in m.logprobs]
     for message in messages:
         assert [lp.token_id for lp in message.logprobs] == list(message.token_ids)
-        assert all(len(lp.top_logprobs) == 2 for lp in message.logprobs)
+    # The mock's values: -0.5 for the sampled token, alternative j is (id + j, -0.5 - j).
+    assert [(e.token_id, e.logprob) for e in entries] == [(11, -0.5), (12, -0.5), (13, -0.5)]
+    for entry in entries:
+        top = [(t.token_id, t.logprob) for t in entry.top_logprobs]
+        assert top == [(entry.token_id, -0.5), (entry.token_id + 1, -1.5)]
+    unary = await mock.stub.Generate(request([10], max_tokens=3, logprobs=0))
+    assert [(e.token_id, e.logprob, len(e.top_logprobs)) for e in unary.logprobs] == [
+        (11, -0.5, 0),
+        (12, -0.5, 0),
+        (13, -0.5, 0),
+    ]
     without = await mock.stub.Generate(request([10], max_tokens=3))
     assert len(without.logprobs) == 0
 
@@ -187,7 +210,7 @@ async def test_client_cancel_aborts_the_engine_request(start_mock: StartServer) 
     load = harness.engine.load()
     assert (load.running_requests, load.waiting_requests) == (0, 0)
     assert "gone" in harness.engine.aborted_ids
-    assert harness.server.servicer.in_flight == frozenset()
+    assert harness.server.requests.in_flight == frozenset()
 
 
 async def test_deadline_aborts_the_engine_request(start_mock: StartServer) -> None:
@@ -198,7 +221,7 @@ async def test_deadline_aborts_the_engine_request(start_mock: StartServer) -> No
     await wait_until(lambda: "late" in harness.engine.aborted_ids)
     load = harness.engine.load()
     assert (load.running_requests, load.waiting_requests) == (0, 0)
-    await wait_until(lambda: not harness.server.servicer.in_flight)
+    await wait_until(lambda: not harness.server.requests.in_flight)
 
 
 async def test_cancel_while_waiting_for_a_slot_leaves_nothing(start_mock: StartServer) -> None:

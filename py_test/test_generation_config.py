@@ -4,33 +4,30 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_router.proto import vllm_engine_pb2 as pb
-
-from conftest import RealHarness
+from harness import Harness, request
 
 pytestmark = pytest.mark.vllm
 
 
-def _req(**sampling: object) -> pb.GenerateRequest:
-    return pb.GenerateRequest(
-        prompt_token_ids=[7, 8, 9],
-        sampling_params=pb.SamplingParams(seed=99, max_tokens=40, ignore_eos=True, **sampling),
+async def _tokens(harness: Harness, **sampling: object) -> list[int]:
+    return list(
+        (
+            await harness.stub.Generate(
+                request([7, 8, 9], seed=99, max_tokens=40, ignore_eos=True, **sampling)
+            )
+        ).output_token_ids
     )
 
 
-async def _tokens(harness: RealHarness, **sampling: object) -> list[int]:
-    return list((await harness.stub.Generate(_req(**sampling))).output_token_ids)
-
-
 async def test_unset_temperature_uses_vllm_default_without_generation_config(
-    real: RealHarness,
+    real: Harness,
 ) -> None:
     assert await _tokens(real) == await _tokens(real, temperature=1.0)
     assert await _tokens(real) != await _tokens(real, temperature=0.05)
 
 
 async def test_unset_temperature_follows_generation_config(
-    real: RealHarness, real_with_generation_defaults: RealHarness
+    real: Harness, real_with_generation_defaults: Harness
 ) -> None:
     harness = real_with_generation_defaults
     unset = await _tokens(harness)

@@ -10,7 +10,7 @@ import signal
 from pathlib import Path
 
 import servers
-from conftest import grpcurl_path, require
+from harness import grpcurl_path, require
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 

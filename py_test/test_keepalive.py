@@ -5,10 +5,12 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from vllm_router.proto import vllm_engine_pb2 as pb
 from vllm_router.proto import vllm_engine_pb2_grpc as pb_grpc
+from vllm_router.serving import RequestTable, ServingState
+from vllm_router.testing.mock_engine import MockAsyncEngine, MockConfig
+from vllm_router.vllm_servicer import VllmEngineServicer
 
-from conftest import StartServer
+from harness import StartServer, request
 
 # A client that pings once a second and never gives up pinging while a call is silent.
 PINGING_CLIENT = [
@@ -19,9 +21,7 @@ PINGING_CLIENT = [
 ]
 
 # Four steps 5 s apart: the unary call carries no data for 15 s.
-SILENT_REQUEST = pb.GenerateRequest(
-    prompt_token_ids=[10], sampling_params=pb.SamplingParams(max_tokens=4)
-)
+SILENT_REQUEST = request([10], max_tokens=4)
 
 
 async def test_pinging_client_survives_a_15_second_silent_unary_call(
@@ -35,12 +35,11 @@ async def test_pinging_client_survives_a_15_second_silent_unary_call(
 
 async def test_control_default_server_policy_disconnects_the_same_client() -> None:
     """Proves the test above can fail: gRPC's default ping policy sends GOAWAY."""
-    from vllm_router.mock_engine import MockAsyncEngine
-    from vllm_router.vllm_servicer import VllmEngineServicer
-
+    engine = MockAsyncEngine(MockConfig(step_delay=5.0))
+    state = ServingState(engine)
     server = grpc.aio.server()  # no keepalive options
     pb_grpc.add_VllmEngineServicer_to_server(
-        VllmEngineServicer(MockAsyncEngine(step_delay=5.0)), server
+        VllmEngineServicer(engine, RequestTable(engine, state), state), server
     )
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()

@@ -10,12 +10,12 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from vllm_router.mock_engine import MockAsyncEngine
 from vllm_router.proto import vllm_engine_pb2_grpc as pb_grpc
 from vllm_router.server import PortUnavailable, ServerConfig, start_server
+from vllm_router.testing.mock_engine import MockAsyncEngine
 
 import servers
-from conftest import StartServer, read_rest, request, wait_until
+from harness import StartServer, read_rest, request, wait_until
 
 
 async def test_max_concurrent_streams_rejects_at_once(start_mock: StartServer) -> None:
@@ -31,7 +31,7 @@ async def test_max_concurrent_streams_rejects_at_once(start_mock: StartServer) -
     assert "--max-concurrent-streams 2" in err.value.details()
     assert loop.time() - started < 1.0  # refused, not queued
     streams[0].cancel()
-    await wait_until(lambda: len(harness.server.servicer.in_flight) == 1)
+    await wait_until(lambda: len(harness.server.requests.in_flight) == 1)
     ok = await harness.stub.Generate(request([10], max_tokens=1))
     assert list(ok.output_token_ids) == [11]
     streams[1].cancel()
@@ -60,7 +60,7 @@ async def test_client_that_stops_reading_is_aborted_after_the_stall_timeout(
     )
     await stream.read()  # then never read again: flow control backs up on the server
     await wait_until(lambda: "stalled" in harness.engine.aborted_ids, timeout=30)
-    await wait_until(lambda: not harness.server.servicer.in_flight)
+    await wait_until(lambda: not harness.server.requests.in_flight)
     assert harness.engine.load().running_requests == 0
     stream.cancel()
 
@@ -77,7 +77,7 @@ async def test_second_server_on_the_same_port_fails() -> None:
 async def test_request_log_has_ids_and_lengths_never_tokens(
     start_mock: StartServer, caplog: pytest.LogCaptureFixture
 ) -> None:
-    harness = await start_mock(ServerConfig(port=0, log_requests=True))
+    harness = await start_mock(ServerConfig(port=0, enable_log_requests=True))
     caplog.set_level(logging.INFO, logger="vllm_router")
     await harness.stub.Generate(request([12345, 23456, 31234], request_id="logged", max_tokens=1))
     text = caplog.text

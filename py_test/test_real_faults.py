@@ -13,7 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from vllm_router.proto import vllm_engine_pb2_grpc as pb_grpc
 
 import servers
-from conftest import read_rest, request
+from harness import read_rest, request
 from real_engine import cli_flags, require_vllm, tiny_model
 
 pytestmark = pytest.mark.vllm

@@ -20,12 +20,10 @@ from vllm_router.proto import vllm_engine_pb2 as pb
 from vllm_router.proto import vllm_engine_pb2_grpc as pb_grpc
 from vllm_router.server import ServerConfig
 
-from conftest import StartServer
+from harness import StartServer, request
 
 API_KEY = "s3cret-token-for-tests"
-GENERATE = pb.GenerateRequest(
-    prompt_token_ids=[10], sampling_params=pb.SamplingParams(max_tokens=2)
-)
+GENERATE = request([10], max_tokens=2)
 
 
 def _pem(obj) -> bytes:
@@ -133,8 +131,9 @@ async def test_mutual_tls_refuses_missing_and_untrusted_client_certs(
                 await _generate(channel)
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE, cert
     async with grpc.aio.insecure_channel(harness.address) as plain:
-        with pytest.raises(grpc.aio.AioRpcError):
+        with pytest.raises(grpc.aio.AioRpcError) as err:
             await _generate(plain)
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
 
 
 async def test_api_key_required_everywhere_but_health(start_mock: StartServer) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import grpc
 import pytest
@@ -11,8 +12,9 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from vllm_router.proto import vllm_engine_pb2 as pb
 from vllm_router.server import ServerConfig
+from vllm_router.testing.mock_engine import MockAsyncEngine
 
-from conftest import Harness, StartServer, read_rest, request
+from harness import Harness, StartServer, read_rest, request, start_harness
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -131,3 +133,33 @@ async def test_drain_aborts_what_outlives_the_grace(start_mock: StartServer) -> 
     assert "grace" in err.value.details()
     assert "long" in harness.engine.aborted_ids
     assert harness.engine.load().running_requests == 0
+
+
+class _BuggyEngine(MockAsyncEngine):
+    """An engine whose generate has a bug of ours: a plain ValueError, not a client error."""
+
+    async def generate(self, request):  # type: ignore[override]
+        raise ValueError("bug: something nobody anticipated")
+        yield  # pragma: no cover
+
+
+async def test_a_bug_is_internal_and_logged_not_a_client_mistake(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    harness = await start_harness(_BuggyEngine(), ServerConfig(port=0))
+    try:
+        caplog.set_level(logging.ERROR, logger="vllm_router")
+        for call in (harness.stub.Generate, harness.stub.GenerateStream):
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                result = call(request([10], max_tokens=2))
+                if call is harness.stub.GenerateStream:
+                    async for _ in result:
+                        pass
+                else:
+                    await result
+            assert err.value.code() == grpc.StatusCode.INTERNAL
+            assert "ValueError" in err.value.details()
+        assert "RPC failed unexpectedly" in caplog.text and "Traceback" in caplog.text
+        assert harness.server.requests.in_flight == frozenset()
+    finally:
+        await harness.close()

@@ -1,13 +1,15 @@
-"""Proto <-> engine conversions and request validation.
+"""vllm.engine.v1 messages <-> the neutral engine types, and request validation.
 
-Pure functions: no I/O, no server, no vLLM import, so each rule is testable
-on its own. Checks that need only the model's facts (vocabulary, context
-window, data-parallel size) live here and apply to every engine; sampling
-value ranges are the engine's to judge (vLLM's own messages reach the client).
+Pure functions: no I/O, no server, no vLLM import, so each rule is testable on its
+own. Sampling fields are converted by name from the one declaration
+(`engine.SamplingOptions`); value ranges are the engine's to judge (vLLM's own
+messages reach the client). Prompt checks that need the model's facts run at
+admission (`serving.prompts`), after a text prompt has been tokenized.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 
 from .engine import (
@@ -26,23 +28,13 @@ MAX_REQUEST_ID_BYTES = 256
 MAX_STOP_STRINGS = 128
 MAX_STOP_STRING_CHARS = 1024
 
-_OPTIONAL_SAMPLING_FIELDS = (
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "max_tokens",
-    "min_tokens",
-    "frequency_penalty",
-    "presence_penalty",
-    "repetition_penalty",
-    "seed",
-    "ignore_eos",
-    "skip_special_tokens",
-    "include_stop_str_in_output",
-    "logprobs",
+_SAMPLING_PROTO_FIELDS = pb.SamplingParams.DESCRIPTOR.fields_by_name
+# (name, repeated?) for every SamplingOptions field this contract carries.
+_SAMPLING_FIELDS = tuple(
+    (f.name, _SAMPLING_PROTO_FIELDS[f.name].is_repeated)
+    for f in dataclasses.fields(SamplingOptions)
+    if f.name in _SAMPLING_PROTO_FIELDS
 )
-
 _EXECUTION_MODES = {v.number: v.name for v in pb.ExecutionMode.DESCRIPTOR.values}
 
 
@@ -50,20 +42,14 @@ def new_request_id() -> str:
     return uuid.uuid4().hex
 
 
-def to_generation_request(
-    request: pb.GenerateRequest, facts: ModelFacts, *, max_prompt_tokens: int = 0
-) -> GenerationRequest:
-    """Validate a GenerateRequest against the model and turn it into an engine request.
-
-    `max_prompt_tokens` (0: no limit) is the operator's admission limit on prompt length.
-    """
+def to_generation_request(request: pb.GenerateRequest, facts: ModelFacts) -> GenerationRequest:
+    """Validate the fields of a GenerateRequest and turn it into an engine request."""
     request_id = request.request_id or new_request_id()
     if len(request_id.encode()) > MAX_REQUEST_ID_BYTES:
         raise InvalidRequest(
             f"request_id is {len(request_id.encode())} bytes; at most "
             f"{MAX_REQUEST_ID_BYTES} are allowed"
         )
-
     mode = request.execution_mode
     if mode != pb.EXECUTION_MODE_NORMAL:
         if mode not in _EXECUTION_MODES:
@@ -77,73 +63,45 @@ def to_generation_request(
             f"multimodal_data is not implemented ({len(request.multimodal_data)} item(s) sent); "
             "send a text-only prompt"
         )
-
-    if request.HasField("dp_rank") and request.dp_rank >= facts.dp_size:
+    dp_rank = request.dp_rank if request.HasField("dp_rank") else None
+    if dp_rank is not None and dp_rank >= facts.dp_size:
         raise InvalidRequest(
-            f"dp_rank {request.dp_rank} is out of range: this engine has dp_size "
+            f"dp_rank {dp_rank} is out of range: this engine has dp_size "
             f"{facts.dp_size} (valid ranks 0..{facts.dp_size - 1})"
         )
-
-    sampling = to_sampling_options(request.sampling_params)
-    prompt_ids: list[int] | None = None
-    prompt_text: str | None = None
     if request.prompt_token_ids:
-        prompt_ids = list(request.prompt_token_ids)
-        if max_prompt_tokens and len(prompt_ids) > max_prompt_tokens:
-            raise InvalidRequest(
-                f"prompt_token_ids has {len(prompt_ids)} tokens; this server admits at most "
-                f"{max_prompt_tokens} (--max-prompt-tokens)"
-            )
-        _check_prompt_ids(prompt_ids, facts)
-        _check_output_room(len(prompt_ids), sampling.max_tokens, facts)
+        prompt_ids, prompt_text = list(request.prompt_token_ids), None
     elif request.prompt_text:
-        prompt_text = request.prompt_text
+        prompt_ids, prompt_text = None, request.prompt_text
     else:
         raise InvalidRequest("the prompt is empty: set prompt_token_ids (or prompt_text)")
-
     return GenerationRequest(
         request_id=request_id,
         prompt_token_ids=prompt_ids,
         prompt_text=prompt_text,
-        sampling=sampling,
-        dp_rank=request.dp_rank if request.HasField("dp_rank") else None,
+        sampling=to_sampling_options(request.sampling_params),
+        dp_rank=dp_rank,
         detokenize=not request.skip_detokenize,
     )
 
 
-def _check_prompt_ids(prompt_ids: list[int], facts: ModelFacts) -> None:
-    top = max(prompt_ids)
-    if top >= facts.vocab_size:
-        index = prompt_ids.index(top)
-        raise InvalidRequest(
-            f"prompt_token_ids[{index}] = {top} is outside the vocabulary "
-            f"(valid ids are 0..{facts.vocab_size - 1})"
-        )
-    if len(prompt_ids) >= facts.max_model_len:
-        raise InvalidRequest(
-            f"prompt_token_ids has {len(prompt_ids)} tokens; the prompt must be shorter than "
-            f"max_model_len {facts.max_model_len} to leave room for at least one output token"
-        )
-
-
-def _check_output_room(prompt_len: int, max_tokens: int | None, facts: ModelFacts) -> None:
-    if max_tokens is not None and prompt_len + max_tokens > facts.max_model_len:
-        raise InvalidRequest(
-            f"sampling_params.max_tokens {max_tokens} plus the {prompt_len} prompt tokens "
-            f"exceeds max_model_len {facts.max_model_len}; ask for at most "
-            f"{facts.max_model_len - prompt_len} tokens"
-        )
-
-
 def to_sampling_options(params: pb.SamplingParams) -> SamplingOptions:
-    values = {
-        name: getattr(params, name) for name in _OPTIONAL_SAMPLING_FIELDS if params.HasField(name)
-    }
-    if len(params.stop) > MAX_STOP_STRINGS:
+    values: dict[str, object] = {}
+    for name, repeated in _SAMPLING_FIELDS:
+        if repeated:
+            values[name] = tuple(getattr(params, name))
+        elif params.HasField(name):
+            values[name] = getattr(params, name)
+    _check_stop_strings(params.stop)
+    return SamplingOptions(**values)  # type: ignore[arg-type]
+
+
+def _check_stop_strings(stops: list[str]) -> None:
+    if len(stops) > MAX_STOP_STRINGS:
         raise InvalidRequest(
-            f"sampling_params.stop has {len(params.stop)} strings; at most {MAX_STOP_STRINGS}"
+            f"sampling_params.stop has {len(stops)} strings; at most {MAX_STOP_STRINGS}"
         )
-    for i, stop in enumerate(params.stop):
+    for i, stop in enumerate(stops):
         if not stop:
             raise InvalidRequest(
                 f"sampling_params.stop[{i}] is empty; stop strings must be non-empty"
@@ -153,9 +111,6 @@ def to_sampling_options(params: pb.SamplingParams) -> SamplingOptions:
                 f"sampling_params.stop[{i}] has {len(stop)} characters; at most "
                 f"{MAX_STOP_STRING_CHARS}"
             )
-    return SamplingOptions(
-        **values, stop=tuple(params.stop), stop_token_ids=tuple(params.stop_token_ids)
-    )
 
 
 # -- engine -> proto -----------------------------------------------------------------------------

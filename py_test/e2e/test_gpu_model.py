@@ -38,7 +38,7 @@ async def gpu() -> AsyncIterator[tuple[RunningServer, pb_grpc.VllmEngineStub]]:
         pytest.skip("no CUDA device: GPU end-to-end tests run on GPU machines only")
     from vllm.engine.arg_utils import AsyncEngineArgs
 
-    from vllm_router.vllm_engine import VllmEngine
+    from vllm_router.engine.vllm import VllmEngine
 
     engine = VllmEngine.from_engine_args(
         AsyncEngineArgs(model=MODEL, gpu_memory_utilization=0.5, max_model_len=2048, seed=0)

@@ -10,12 +10,12 @@ import grpc
 import pytest
 
 from .conftest import scale
-from conftest import RealHarness, real_engine_idle, request, wait_until
+from harness import Harness, real_engine_idle, request, wait_until
 
 pytestmark = pytest.mark.vllm
 
 
-async def test_real_engine_cancel_storm(real: RealHarness, figures) -> None:
+async def test_real_engine_cancel_storm(real: Harness, figures) -> None:
     n = scale(200, 1000)
     rng = random.Random(11)
     outcomes: dict[str, int] = {}
@@ -47,7 +47,7 @@ async def test_real_engine_cancel_storm(real: RealHarness, figures) -> None:
         await asyncio.gather(*(one(i) for i in range(batch, min(n, batch + 50))))
     elapsed = time.perf_counter() - started
     await wait_until(lambda: real_engine_idle(real), 15, "the engine to be idle")
-    assert real.server.servicer.in_flight == frozenset()
+    assert real.server.requests.in_flight == frozenset()
     figures(
         f"{n} requests on the real engine in {elapsed:.1f}s, outcomes "
         f"{dict(sorted(outcomes.items()))}; after: engine unfinished 0, running 0, waiting 0"

@@ -11,7 +11,7 @@ from pathlib import Path
 import grpc
 
 from .conftest import scale
-from conftest import StartServer, request, wait_until
+from harness import StartServer, request, wait_until
 
 RSS_LIMIT_MB = 20
 
@@ -74,14 +74,14 @@ async def test_cancel_and_deadline_storm_leaves_nothing_behind(
     elapsed = time.perf_counter() - started
     await wait_until(
         lambda: (
-            not harness.server.servicer.in_flight and not harness.engine.load().running_requests
+            not harness.server.requests.in_flight and not harness.engine.load().running_requests
         ),
         10,
         "no request left behind",
     )
     load = harness.engine.load()
     assert (load.running_requests, load.waiting_requests) == (0, 0)
-    assert harness.server.servicer.in_flight == frozenset()
+    assert harness.server.requests.in_flight == frozenset()
     figures(
         f"{n} requests in {elapsed:.1f}s, outcomes {dict(sorted(outcomes.items()))}; after: engine "
         f"running 0, waiting 0, servicer table empty"

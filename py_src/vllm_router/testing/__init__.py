@@ -1,0 +1,1 @@
+"""Test support shipped with the package: the mock engine and the tiny built-in model."""

@@ -1,41 +1,58 @@
-"""The engine protocol the servicer is written against, and the neutral types it speaks.
+"""The neutral types between gRPC contracts and engines (no gRPC, no vLLM).
 
-Both adapters (`vllm_engine.VllmEngine` over vLLM's AsyncLLM and
-`mock_engine.MockAsyncEngine`) implement `AsyncEngine`. Nothing here imports vLLM.
+`SamplingOptions` is the one declaration of the sampling fields: contracts convert
+their messages into it field by field (by name), engine adapters read it field by
+field, and a test fails when a contract field has no counterpart here.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Any, Literal
+
+# Why a request ended, as vLLM names it.
+FinishReason = Literal["stop", "length", "abort"]
+
+# Field metadata key: the value vLLM's OpenAI server uses for an unset field when
+# the model's generation config has none (CompletionRequest's defaults). Fields
+# with it take the model's generation-config value first.
+NEUTRAL_DEFAULT = "neutral_default"
+
+
+def _model_default(neutral: float) -> Any:
+    return field(default=None, metadata={NEUTRAL_DEFAULT: neutral})
 
 
 @dataclass(frozen=True, slots=True)
 class SamplingOptions:
     """Sampling fields as the client sent them; None means "unset, use the default"."""
 
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
+    temperature: float | None = _model_default(1.0)
+    top_p: float | None = _model_default(1.0)
+    top_k: int | None = _model_default(0)
+    min_p: float | None = _model_default(0.0)
+    frequency_penalty: float | None = _model_default(0.0)
+    presence_penalty: float | None = _model_default(0.0)
+    repetition_penalty: float | None = _model_default(1.0)
     max_tokens: int | None = None
     min_tokens: int | None = None
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    repetition_penalty: float | None = None
     seed: int | None = None
     ignore_eos: bool | None = None
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
+    # Most likely alternatives returned with each token's logprob; None: no logprobs.
     logprobs: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class GenerationRequest:
-    """One validated generation request. Exactly one of the two prompts is set."""
+    """One generation request. Exactly one of the two prompts is set.
+
+    A text prompt is tokenized (`AsyncEngine.tokenize`) before admission, so every
+    prompt check applies to it as to token ids and engines only ever see ids.
+    """
 
     request_id: str
     prompt_token_ids: list[int] | None
@@ -60,8 +77,8 @@ class EngineStep:
     token_ids: list[int]
     text: str
     finished: bool
-    # "stop" | "length" | "abort" on the finished step.
-    finish_reason: str | None = None
+    # Set on the finished step.
+    finish_reason: FinishReason | None = None
     # What matched when finish_reason is "stop": the stop string, or the token id
     # that ended it (a stop token id or the EOS id). None for other finishes.
     stop_reason: int | str | None = None
@@ -91,39 +108,3 @@ class LoadSnapshot:
     running_requests: int = 0
     waiting_requests: int = 0
     kv_cache_usage: float = 0.0  # fraction, 0..1
-
-
-@runtime_checkable
-class AsyncEngine(Protocol):
-    """What the servicer needs from an engine.
-
-    Failures are raised as `vllm_router.errors` exceptions: InvalidRequest for
-    input the engine rejects, EngineUnavailable once the engine is dead.
-    """
-
-    @property
-    def facts(self) -> ModelFacts: ...
-
-    @property
-    def errored(self) -> bool: ...
-
-    def generate(self, request: GenerationRequest) -> AsyncGenerator[EngineStep, None]:
-        """Yield one EngineStep per engine step; the last one has finished=True.
-
-        Closing the iterator early aborts the request in the engine.
-        """
-        ...
-
-    async def abort(self, request_id: str) -> None:
-        """Stop a request; its stream then ends with finish_reason "abort"."""
-        ...
-
-    async def check_health(self) -> None:
-        """Raise EngineUnavailable when the engine cannot serve."""
-        ...
-
-    async def reset_prefix_cache(self) -> bool: ...
-
-    def load(self) -> LoadSnapshot: ...
-
-    async def shutdown(self) -> None: ...

@@ -1,115 +1,24 @@
-"""Adapter from vLLM's v1 AsyncLLM to the servicer's engine protocol.
+"""Adapter from vLLM's v1 AsyncLLM to the engine protocol, and the load board it feeds.
 
-vLLM is imported lazily: importing this module is cheap and works without vLLM,
-so the conversion helpers stay unit-testable everywhere.
+vLLM is imported lazily: importing this module is cheap and works without vLLM.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import time
-from collections.abc import AsyncGenerator, Mapping
-from typing import TYPE_CHECKING, Any, NoReturn
+from collections.abc import AsyncGenerator
+from typing import TYPE_CHECKING, Any
 
-from .engine import (
-    EngineStep,
-    GenerationRequest,
-    LoadSnapshot,
-    ModelFacts,
-    SamplingOptions,
-    TokenLogprob,
-)
-from .errors import EngineUnavailable, InvalidRequest, Overloaded
+from ..errors import EngineUnavailable
+from .types import EngineStep, GenerationRequest, LoadSnapshot, ModelFacts
+from .vllm_params import build_sampling_params, convert_logprobs, reraise
 
 if TYPE_CHECKING:
     from vllm.engine.arg_utils import AsyncEngineArgs
-    from vllm.sampling_params import SamplingParams
     from vllm.v1.engine.async_llm import AsyncLLM
 
 logger = logging.getLogger(__name__)
-
-# vLLM's OpenAI server fills these from the model's generation config, else
-# from these neutral values (CompletionRequest._DEFAULT_SAMPLING_PARAMS).
-_NEUTRAL_DEFAULTS: Mapping[str, float] = {
-    "temperature": 1.0,
-    "top_p": 1.0,
-    "top_k": 0,
-    "min_p": 0.0,
-    "repetition_penalty": 1.0,
-    "presence_penalty": 0.0,
-    "frequency_penalty": 0.0,
-}
-
-
-def build_sampling_params(
-    options: SamplingOptions,
-    *,
-    model_defaults: Mapping[str, Any],
-    prompt_len: int | None,
-    max_model_len: int,
-    detokenize: bool,
-) -> SamplingParams:
-    """SamplingParams as vLLM's OpenAI server would build them for this request.
-
-    `model_defaults` is `ModelConfig.get_diff_sampling_param()`: a field the client
-    left unset takes the model's generation-config value, else vLLM's neutral
-    default. Raises vLLM's validation error for values it rejects.
-    """
-    from vllm.sampling_params import RequestOutputKind, SamplingParams
-
-    picked = {
-        name: value if (value := getattr(options, name)) is not None
-        else model_defaults.get(name, neutral)
-        for name, neutral in _NEUTRAL_DEFAULTS.items()
-    }  # fmt: skip
-    max_tokens = options.max_tokens
-    if max_tokens is None:
-        default_max = model_defaults.get("max_tokens")
-        if prompt_len is not None:
-            room = max_model_len - prompt_len
-            max_tokens = room if default_max is None else min(room, default_max)
-        else:
-            max_tokens = default_max  # None: vLLM fills what the context leaves
-    stop_token_ids = list(options.stop_token_ids)
-    for extra in model_defaults.get("stop_token_ids") or ():
-        if extra not in stop_token_ids:
-            stop_token_ids.append(extra)
-    return SamplingParams.from_optional(
-        **picked,
-        seed=options.seed,
-        stop=list(options.stop),
-        stop_token_ids=stop_token_ids,
-        ignore_eos=bool(options.ignore_eos),
-        max_tokens=max_tokens,
-        min_tokens=options.min_tokens or 0,
-        logprobs=options.logprobs,
-        detokenize=detokenize,
-        skip_special_tokens=options.skip_special_tokens is not False,
-        include_stop_str_in_output=bool(options.include_stop_str_in_output),
-        output_kind=RequestOutputKind.DELTA,
-        skip_clone=True,
-    )
-
-
-def convert_logprobs(token_ids: list[int], positions: Any, top_k: int) -> list[TokenLogprob]:
-    """vLLM's per-position {token id: Logprob} maps -> TokenLogprob, top-k by rank."""
-    entries = []
-    for token_id, position in zip(token_ids, positions or (), strict=False):
-        sampled = position.get(token_id) if position else None
-        top = sorted(
-            (lp.rank, tid, lp.logprob)
-            for tid, lp in (position or {}).items()
-            if lp.rank is not None and lp.rank <= top_k
-        )
-        entries.append(
-            TokenLogprob(
-                token_id=token_id,
-                logprob=sampled.logprob if sampled is not None else -math.inf,
-                top=tuple((tid, logprob) for _, tid, logprob in top),
-            )
-        )
-    return entries
 
 
 class LoadBoard:
@@ -156,31 +65,6 @@ class LoadBoard:
                 pass
 
         return LoadStatLogger
-
-
-def _translate(exc: Exception) -> Exception:
-    """vLLM's exceptions -> the servicer's (see errors.py for the status codes)."""
-    from vllm.exceptions import GracefulHTTPError, VLLMClientError
-    from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
-
-    if isinstance(exc, EngineDeadError):
-        return EngineUnavailable("vLLM engine is dead (EngineDeadError); retry on another worker")
-    if isinstance(exc, GracefulHTTPError):
-        return Overloaded(exc.message)
-    if isinstance(exc, (VLLMClientError, ValueError, TypeError)):
-        return InvalidRequest(str(exc))
-    if isinstance(exc, EngineGenerateError) and isinstance(
-        exc.__cause__, (VLLMClientError, ValueError, TypeError)
-    ):
-        return InvalidRequest(str(exc.__cause__))
-    return exc
-
-
-def _reraise(exc: Exception) -> NoReturn:
-    translated = _translate(exc)
-    if translated is exc:
-        raise exc
-    raise translated from exc
 
 
 class VllmEngine:
@@ -268,7 +152,7 @@ class VllmEngine:
         try:
             return await self._llm.reset_prefix_cache()
         except Exception as exc:
-            _reraise(exc)
+            reraise(exc)
 
     async def abort(self, request_id: str) -> None:
         if not self._llm.errored:
@@ -277,29 +161,38 @@ class VllmEngine:
     async def shutdown(self) -> None:
         self._llm.shutdown()
 
+    async def tokenize(self, text: str) -> list[int]:
+        """Tokenized as vLLM's completions server does (special tokens added)."""
+        renderer = self._llm.renderer
+        try:
+            prompt = await renderer.tokenize_prompt_async(
+                {"prompt": text}, renderer.default_cmpl_tok_params
+            )
+        except Exception as exc:
+            reraise(exc)
+        return list(prompt["prompt_token_ids"])  # type: ignore[typeddict-item]
+
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[EngineStep, None]:
         ids = request.prompt_token_ids
+        if ids is None:
+            raise ValueError("VllmEngine.generate needs prompt_token_ids (tokenize text first)")
         options = request.sampling
         try:
             params = build_sampling_params(
                 options,
                 model_defaults=self._model_defaults,
-                prompt_len=len(ids) if ids is not None else None,
+                prompt_len=len(ids),
                 max_model_len=self._max_model_len,
                 detokenize=request.detokenize,
             )
         except Exception as exc:
-            _reraise(exc)
-        prompt: Any
-        if ids is not None:
-            # Rendered as vLLM's own completions server does: no tokenizer work and no
-            # thread-pool hop for a prompt that is already token ids.
-            prompt = self._llm.renderer.process_for_engine(
-                {"prompt_token_ids": ids}, arrival_time=time.time()
-            )
-        else:
-            prompt = {"prompt": request.prompt_text}  # tokenized by the engine
-        top_k = options.logprobs if options.logprobs is not None and options.logprobs > 0 else 0
+            reraise(exc)
+        # Rendered as vLLM's own completions server does: no tokenizer work and no
+        # thread-pool hop for a prompt that is already token ids.
+        prompt = self._llm.renderer.process_for_engine(
+            {"prompt_token_ids": ids}, arrival_time=time.time()
+        )
+        num_top = options.logprobs if options.logprobs is not None and options.logprobs > 0 else 0
         want_logprobs = options.logprobs is not None
         produced = 0
         last_token: int | None = None
@@ -307,7 +200,15 @@ class VllmEngine:
             prompt, params, request.request_id, data_parallel_rank=request.dp_rank
         )
         try:
-            async for out in outputs:
+            while True:
+                # Only vLLM's own call is translated: a failure in the conversion
+                # below is a bug of ours and must surface as one (INTERNAL).
+                try:
+                    out = await outputs.__anext__()
+                except StopAsyncIteration:
+                    return
+                except Exception as exc:
+                    reraise(exc)
                 completion = out.outputs[0]
                 token_ids = list(completion.token_ids)
                 produced += len(token_ids)
@@ -320,17 +221,15 @@ class VllmEngine:
                     token_ids=token_ids,
                     text=completion.text,
                     finished=out.finished,
-                    finish_reason=completion.finish_reason,
+                    finish_reason=completion.finish_reason,  # type: ignore[arg-type]
                     stop_reason=stop_reason,
                     prompt_tokens=len(out.prompt_token_ids or ()),
                     completion_tokens=produced,
                     cached_tokens=out.num_cached_tokens or 0,
-                    logprobs=convert_logprobs(token_ids, completion.logprobs, top_k)
+                    logprobs=convert_logprobs(token_ids, completion.logprobs, num_top)
                     if want_logprobs
                     else None,
                 )
-        except Exception as exc:
-            _reraise(exc)
         finally:
             # Closing vLLM's generator early aborts the request inside the engine.
             await outputs.aclose()

@@ -5,31 +5,49 @@ Behaviour is deterministic so tests can state exact expectations:
   prompt ending in eos_token_id - 3 stops on EOS after three tokens and a prompt
   ending in vocab_size - 1 produces token 0 first;
 - a token's text is " <id>" (so the text of [5, 17] is " 5 17");
+- text is "tokenized" as its UTF-8 bytes mod vocab_size, with no special tokens;
 - each step emits up to `tokens_per_step` tokens, `step_delay` seconds apart;
 - at most `max_num_seqs` requests run at once, the rest wait (visible in load());
-- sampling values are validated with vLLM's rules, so bad input fails the same way.
+- a logprob is -0.5 for the sampled token and the j-th alternative is (id + j, -0.5 - j).
+Where it intentionally differs from vLLM: it checks only the sampling rules a
+request can reach it with (the server has already refused empty stop strings and
+prompts that do not fit), keeps no real KV cache (a prompt block is "cached" once
+seen, cache usage is tokens held / kv_cache_tokens), and never preempts.
 """
 
 from __future__ import annotations
 
 import asyncio
-import math
 from collections import deque
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 
-from . import __version__
-from .engine import (
-    EngineStep,
-    GenerationRequest,
-    LoadSnapshot,
-    ModelFacts,
-    SamplingOptions,
-    TokenLogprob,
-)
-from .errors import EngineUnavailable, InvalidRequest
+from .. import __version__
+from ..engine import EngineStep, GenerationRequest, LoadSnapshot, ModelFacts
+from ..engine.types import FinishReason
+from ..errors import EngineUnavailable, InvalidRequest
+from .mock_sampling import mock_logprobs, mock_token_text, validate_sampling
+from .stop_strings import StopStringMatcher
 
-MAX_LOGPROBS = 20
+
+@dataclass(frozen=True)
+class MockConfig:
+    """The mock's settings; `vllm-servicer --mock-<name>` flags are derived from these fields."""
+
+    model_name: str = field(default="mock-model", metadata={"help": "served model name"})
+    vocab_size: int = 32000
+    max_model_len: int = 4096
+    eos_token_id: int = 2
+    tokens_per_step: int = field(default=1, metadata={"help": "tokens each engine step makes"})
+    step_delay: float = field(default=0.0, metadata={"help": "seconds between engine steps"})
+    max_num_seqs: int = field(default=256, metadata={"help": "requests running at once"})
+    block_size: int = 16
+    kv_cache_tokens: int = 262144
+    dp_size: int = 1
+    die_after_tokens: int = field(
+        default=0,
+        metadata={"help": "fault injection: the engine dies after this many tokens (0: never)"},
+    )
 
 
 @dataclass
@@ -42,101 +60,29 @@ class _Request:
     generated: int = 0
 
 
-def mock_token_text(token_id: int) -> str:
-    return f" {token_id}"
-
-
-def validate_sampling(s: SamplingOptions, detokenize: bool) -> None:
-    """vLLM's SamplingParams rules, restated for the mock."""
-
-    def check(ok: bool, message: str) -> None:
-        if not ok:
-            raise InvalidRequest(message)
-
-    for name in ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty",
-                 "repetition_penalty"):  # fmt: skip
-        value = getattr(s, name)
-        check(
-            value is None or math.isfinite(value), f"{name} must be a finite number, got {value}."
-        )
-    if s.temperature is not None:
-        check(s.temperature >= 0.0, f"temperature must be non-negative, got {s.temperature}.")
-        check(s.temperature <= 2.0, f"temperature must be in [0, 2], got {s.temperature}.")
-    if s.top_p is not None:
-        check(0.0 < s.top_p <= 1.0, f"top_p must be in (0, 1], got {s.top_p}.")
-    if s.top_k is not None:
-        check(s.top_k >= -1, f"top_k must be 0 (disable), or at least 1, got {s.top_k}.")
-    if s.min_p is not None:
-        check(0.0 <= s.min_p <= 1.0, f"min_p must be in [0, 1], got {s.min_p}.")
-    for name in ("frequency_penalty", "presence_penalty"):
-        value = getattr(s, name)
-        check(value is None or -2.0 <= value <= 2.0, f"{name} must be in [-2, 2], got {value}.")
-    if s.repetition_penalty is not None:
-        check(
-            s.repetition_penalty > 0.0,
-            f"repetition_penalty must be greater than zero, got {s.repetition_penalty}.",
-        )
-    if s.max_tokens is not None:
-        check(s.max_tokens >= 1, f"max_tokens must be at least 1, got {s.max_tokens}.")
-        check(
-            s.min_tokens is None or s.min_tokens <= s.max_tokens,
-            f"min_tokens must be less than or equal to max_tokens={s.max_tokens}, "
-            f"got {s.min_tokens}.",
-        )
-    if s.logprobs is not None:
-        check(s.logprobs >= -1, f"logprobs must be non-negative or -1, got {s.logprobs}.")
-        check(
-            0 <= s.logprobs <= MAX_LOGPROBS,  # -1 (whole vocabulary) is past the limit too
-            f"Requested sample logprobs of {s.logprobs}, which is greater than max allowed: "
-            f"{MAX_LOGPROBS}",
-        )
-    check(not any(not x for x in s.stop), "stop cannot contain an empty string.")
-    check(
-        not s.stop or detokenize,
-        "stop strings are only supported when detokenize is True. Set detokenize=True to use stop.",
-    )
-
-
 class MockAsyncEngine:
     """A fake engine that keeps real request bookkeeping (running, waiting, aborts)."""
 
-    def __init__(
-        self,
-        *,
-        model_name: str = "mock-model",
-        vocab_size: int = 32000,
-        max_model_len: int = 4096,
-        eos_token_id: int = 2,
-        tokens_per_step: int = 1,
-        step_delay: float = 0.0,
-        max_num_seqs: int = 256,
-        block_size: int = 16,
-        kv_cache_tokens: int = 262144,
-        dp_size: int = 1,
-        die_after_tokens: int = 0,
-    ) -> None:
-        if tokens_per_step < 1:
+    def __init__(self, config: MockConfig | None = None) -> None:
+        config = config or MockConfig()
+        if config.tokens_per_step < 1:
             raise ValueError("tokens_per_step must be at least 1")
+        self.config = config
         self._facts = ModelFacts(
-            model_name=model_name,
-            served_model_name=model_name,
-            max_model_len=max_model_len,
-            vocab_size=vocab_size,
-            dp_size=dp_size,
-            block_size=block_size,
-            eos_token_ids=(eos_token_id,),
+            model_name=config.model_name,
+            served_model_name=config.model_name,
+            max_model_len=config.max_model_len,
+            vocab_size=config.vocab_size,
+            dp_size=config.dp_size,
+            block_size=config.block_size,
+            eos_token_ids=(config.eos_token_id,),
             engine="mock",
             engine_version=__version__,
         )
-        self.tokens_per_step = tokens_per_step
-        self.step_delay = step_delay
-        self._eos = eos_token_id
-        self._kv_capacity = kv_cache_tokens
-        self._slots = asyncio.Semaphore(max_num_seqs)
+        self._slots = asyncio.Semaphore(config.max_num_seqs)
         self._requests: dict[str, _Request] = {}
         self._cached_blocks: set[tuple[int, ...]] = set()
         self._dead: str | None = None
-        self._die_after_tokens = die_after_tokens  # fault injection (0: never)
         self._tokens_produced = 0
         # Recent requests that ended without finishing (aborted or abandoned by the consumer).
         self.aborted_ids: deque[str] = deque(maxlen=10_000)
@@ -158,12 +104,15 @@ class MockAsyncEngine:
         return LoadSnapshot(
             running_requests=len(running),
             waiting_requests=len(self._requests) - len(running),
-            kv_cache_usage=min(1.0, used / self._kv_capacity),
+            kv_cache_usage=min(1.0, used / self.config.kv_cache_tokens),
         )
 
     async def check_health(self) -> None:
         if self._dead is not None:
             raise EngineUnavailable(f"engine is dead: {self._dead}")
+
+    async def tokenize(self, text: str) -> list[int]:
+        return [b % self._facts.vocab_size for b in text.encode()]
 
     async def reset_prefix_cache(self) -> bool:
         await self.check_health()
@@ -186,11 +135,12 @@ class MockAsyncEngine:
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[EngineStep, None]:
         await self.check_health()
         validate_sampling(request.sampling, request.detokenize)
+        if request.prompt_token_ids is None:
+            raise ValueError("MockAsyncEngine.generate needs prompt_token_ids")
         if request.request_id in self._requests:
             raise InvalidRequest(f"request id {request.request_id!r} is already running")
-        prompt = self._tokenize(request)
         self.last_request = request
-        state = _Request(request, prompt)
+        state = _Request(request, request.prompt_token_ids)
         self._requests[request.request_id] = state
         finished = False
         held = False
@@ -218,17 +168,6 @@ class MockAsyncEngine:
             state.wake.set()
 
     # -- internals --------------------------------------------------------------------------------
-
-    def _tokenize(self, request: GenerationRequest) -> list[int]:
-        if request.prompt_token_ids is not None:
-            return request.prompt_token_ids
-        ids = [b % self._facts.vocab_size for b in (request.prompt_text or "").encode()]
-        if len(ids) >= self._facts.max_model_len:
-            raise InvalidRequest(
-                f"The decoder prompt (length {len(ids)}) is longer than the maximum model "
-                f"length of {self._facts.max_model_len}."
-            )
-        return ids
 
     async def _wait_for_slot(self, state: _Request) -> bool:
         """Wait for a running slot; False when aborted or dead before one was free."""
@@ -262,19 +201,24 @@ class MockAsyncEngine:
                 self._cached_blocks.add(key)
         return cached
 
+    def _die_if_due(self) -> None:
+        self._tokens_produced += 1
+        limit = self.config.die_after_tokens
+        if limit and self._tokens_produced >= limit:
+            self.kill(f"fault injection after {self._tokens_produced} tokens")
+        if self._dead is not None:
+            raise EngineUnavailable(f"engine is dead: {self._dead}")
+
     async def _decode(self, state: _Request) -> AsyncGenerator[EngineStep, None]:
         facts = self._facts
         s = state.request.sampling
         prompt = state.prompt
         max_tokens = s.max_tokens if s.max_tokens is not None else facts.max_model_len - len(prompt)
-        min_tokens = s.min_tokens or 0
         stop_ids = set(s.stop_token_ids)
         detokenize = state.request.detokenize
         cached = self._cached_prefix(prompt)
-        # Like vLLM, hold back the last characters while they could begin a stop string,
-        # so a stop that straddles tokens or steps is cut before anything is sent.
-        reach = max((len(x) for x in s.stop), default=1) - 1
-        held = ""
+        matcher = StopStringMatcher(s.stop, bool(s.include_stop_str_in_output))
+        eos = self.config.eos_token_id
         next_token = (prompt[-1] + 1) % facts.vocab_size
         while True:
             if self._dead is not None:
@@ -284,47 +228,33 @@ class MockAsyncEngine:
                 return
             new_ids: list[int] = []
             pieces: list[str] = []
-            finish: str | None = None
+            finish: FinishReason | None = None
             stop_reason: int | str | None = None
-            for _ in range(self.tokens_per_step):
+            for _ in range(self.config.tokens_per_step):
                 token = next_token
                 next_token = (next_token + 1) % facts.vocab_size
                 new_ids.append(token)
                 state.generated += 1
-                self._tokens_produced += 1
-                if self._die_after_tokens and self._tokens_produced >= self._die_after_tokens:
-                    self.kill(f"fault injection after {self._tokens_produced} tokens")
-                    raise EngineUnavailable(f"engine is dead: {self._dead}")
-                eligible = state.generated > min_tokens
-                if eligible and token in stop_ids:
+                self._die_if_due()
+                eligible = state.generated > (s.min_tokens or 0)
+                if eligible and (token in stop_ids or (token == eos and not s.ignore_eos)):
                     finish, stop_reason = "stop", token
-                elif eligible and token == self._eos and not s.ignore_eos:
-                    finish, stop_reason = "stop", token
-                elif detokenize and not (token == self._eos and s.skip_special_tokens is not False):
-                    window = held + mock_token_text(token)
-                    matched = _find_stop(window, s.stop) if s.stop else None
-                    if matched is not None and eligible:
-                        stop, at = matched
-                        keep = at + (len(stop) if s.include_stop_str_in_output else 0)
-                        pieces.append(window[:keep])
-                        held = ""
-                        finish, stop_reason = "stop", stop
-                    elif len(window) > reach:
-                        pieces.append(window[: len(window) - reach])
-                        held = window[len(window) - reach :]
-                    else:
-                        held = window
+                elif detokenize and not (token == eos and s.skip_special_tokens is not False):
+                    text, matched = matcher.feed(mock_token_text(token), may_stop=eligible)
+                    pieces.append(text)
+                    if matched is not None:
+                        finish, stop_reason = "stop", matched
                 if finish is None and state.generated >= max_tokens:
                     finish = "length"
                 if finish is not None:
-                    pieces.append(held)
+                    pieces.append(matcher.flush())
                     break
             yield self._step(state, new_ids, "".join(pieces), finish, stop_reason, cached)
             if finish is not None:
                 return
-            if self.step_delay > 0:
+            if self.config.step_delay > 0:
                 try:
-                    await asyncio.wait_for(state.wake.wait(), self.step_delay)
+                    await asyncio.wait_for(state.wake.wait(), self.config.step_delay)
                 except asyncio.TimeoutError:
                     pass
             else:
@@ -335,22 +265,12 @@ class MockAsyncEngine:
         state: _Request,
         token_ids: list[int],
         text: str,
-        finish: str | None,
+        finish: FinishReason | None,
         stop_reason: int | str | None,
         cached: int,
     ) -> EngineStep:
         k = state.request.sampling.logprobs
-        logprobs = None
-        if k is not None:
-            vocab = self._facts.vocab_size
-            logprobs = [
-                TokenLogprob(
-                    token_id=t,
-                    logprob=-0.5,
-                    top=tuple(((t + j) % vocab, -0.5 - j) for j in range(max(k, 0))),
-                )
-                for t in token_ids
-            ]
+        logprobs = None if k is None else mock_logprobs(token_ids, k, self._facts.vocab_size)
         return EngineStep(
             token_ids=token_ids,
             text=text,
@@ -362,13 +282,3 @@ class MockAsyncEngine:
             cached_tokens=cached,
             logprobs=logprobs,
         )
-
-
-def _find_stop(text: str, stops: tuple[str, ...]) -> tuple[str, int] | None:
-    """The stop string that occurs earliest in `text`, and where."""
-    best: tuple[str, int] | None = None
-    for stop in stops:
-        at = text.find(stop)
-        if at != -1 and (best is None or at < best[1]):
-            best = (stop, at)
-    return best

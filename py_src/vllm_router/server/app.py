@@ -1,12 +1,13 @@
-"""Server lifecycle: options, health, reflection, signals, drain and shutdown order.
+"""Server lifecycle: listeners, services, health, signals, drain and shutdown order.
 
 Order of events:
   engine built (by the caller) -> gRPC server started, health NOT_SERVING ->
-  engine health checked -> SERVING -> ... -> SIGTERM -> NOT_SERVING, new
+  serving state checked -> SERVING -> ... -> SIGTERM -> NOT_SERVING, new
   generation RPCs UNAVAILABLE -> in-flight requests finish within the grace
   period, the rest are aborted -> server stopped -> engine shut down.
-If the engine dies, health turns NOT_SERVING and the server drains and exits
-non-zero so an orchestrator restarts the worker.
+Engine death reaches the server by one path: the health watcher sees it in the
+serving state, reports NOT_SERVING, drains and makes the process exit non-zero so
+an orchestrator restarts the worker.
 """
 
 from __future__ import annotations
@@ -16,73 +17,65 @@ import contextlib
 import logging
 import os
 import signal
-from dataclasses import dataclass, field
+import socket
+from collections.abc import Iterator
+from typing import TypeAlias
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from .engine import AsyncEngine
-from .errors import EngineUnavailable, MalformedRequestInterceptor
-from .proto import vllm_engine_pb2_grpc as pb_grpc
+from ..engine import AsyncEngine
+from ..proto import vllm_engine_pb2_grpc as pb_grpc
+from ..serving import RequestTable, ServingState
+from ..vllm_servicer import SERVICE_NAME, VllmEngineServicer
+from .config import ServerConfig, StartupError, server_options
+from .interceptors import MalformedRequestInterceptor
 from .security import ApiKeyInterceptor, server_credentials
-from .vllm_servicer import SERVICE_NAME, VllmEngineServicer
 
 logger = logging.getLogger(__name__)
 
 EXIT_OK = 0
 EXIT_ENGINE_DEAD = 1
+# Services answered by our own (rpc.handles_errors-decorated) servicers.
+OUR_SERVICES = (SERVICE_NAME,)
+HealthStatus: TypeAlias = health_pb2.HealthCheckResponse.ServingStatus.ValueType
 
 
-class PortUnavailable(RuntimeError):
+class PortUnavailable(StartupError):
     """The listen address could not be bound (in use, or not a local address)."""
 
 
-@dataclass(frozen=True)
-class ServerConfig:
-    host: str = "127.0.0.1"
-    port: int = 50051
-    shutdown_grace_seconds: float = 30.0
-    max_message_bytes: int = 64 * 1024 * 1024
-    # Server-initiated pings find dead peers; clients may ping as often as
-    # every `min_client_ping_interval_ms` without being sent GOAWAY.
-    keepalive_time_ms: int = 30_000
-    keepalive_timeout_ms: int = 10_000
-    min_client_ping_interval_ms: int = 500
-    health_poll_seconds: float = 1.0
-    log_requests: bool = False
-    # Admission: generation requests in flight (0: no limit) and prompt length.
-    max_concurrent_streams: int = 0
-    max_prompt_tokens: int = 0
-    # A stream whose client has not taken a message for this long is aborted (0: never).
-    stream_stall_timeout_seconds: float = 60.0
-    # Transport security; the unix socket (mode 0600) is always plaintext.
-    ssl_certfile: str | None = None
-    ssl_keyfile: str | None = None
-    ssl_ca_certs: str | None = None
-    api_key: str | None = field(default=None, repr=False)
-    uds: str | None = None
-
-
-def server_options(config: ServerConfig) -> list[tuple[str, int]]:
-    """gRPC core channel arguments (real key names: unknown keys are ignored silently)."""
-    return [
-        ("grpc.max_receive_message_length", config.max_message_bytes),
-        ("grpc.max_send_message_length", config.max_message_bytes),
-        ("grpc.keepalive_time_ms", config.keepalive_time_ms),
-        ("grpc.keepalive_timeout_ms", config.keepalive_timeout_ms),
-        ("grpc.keepalive_permit_without_calls", 1),
-        ("grpc.http2.min_ping_interval_without_data_ms", config.min_client_ping_interval_ms),
-        ("grpc.http2.max_ping_strikes", 2),
-        # Never let a second server bind the same port without an error.
-        ("grpc.so_reuseport", 0),
-    ]
-
-
-def _address(host: str, port: int) -> str:
+def address(host: str, port: int) -> str:
     if ":" in host and not host.startswith("["):
         host = f"[{host}]"
     return f"{host}:{port}"
+
+
+def preflight(config: ServerConfig) -> None:
+    """Fail in milliseconds, before a model load that can take minutes."""
+    if config.api_key is not None and not config.api_key:
+        raise StartupError("the API key must not be empty (--api-key)")
+    server_credentials(config.ssl_certfile, config.ssl_keyfile, config.ssl_ca_certs)
+    if config.port > 0:
+        family = socket.AF_INET6 if ":" in config.host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind((config.host.strip("[]"), config.port))
+            except OSError as exc:
+                where = address(config.host, config.port)
+                raise PortUnavailable(f"cannot listen on {where}: {exc.strerror}") from exc
+
+
+@contextlib.contextmanager
+def _owner_only_files() -> Iterator[None]:
+    """Files created meanwhile (the unix socket) are never group/world accessible."""
+    previous = os.umask(0o177)
+    try:
+        yield
+    finally:
+        os.umask(previous)
 
 
 class RunningServer:
@@ -91,41 +84,41 @@ class RunningServer:
     def __init__(self, engine: AsyncEngine, config: ServerConfig) -> None:
         self.engine = engine
         self.config = config
-        self.health = health.aio.HealthServicer()
-        self.servicer = VllmEngineServicer(
+        self.state = ServingState(engine)
+        self.requests = RequestTable(
             engine,
-            on_engine_dead=self._engine_died,
-            log_requests=config.log_requests,
-            max_concurrent_streams=config.max_concurrent_streams,
+            self.state,
+            max_concurrent=config.max_concurrent_streams,
             max_prompt_tokens=config.max_prompt_tokens,
+            log_requests=config.enable_log_requests,
         )
-        interceptors: list[grpc.aio.ServerInterceptor] = [MalformedRequestInterceptor(SERVICE_NAME)]
-        if config.api_key:
+        self.health = health.aio.HealthServicer()
+        interceptors: list[grpc.aio.ServerInterceptor] = [MalformedRequestInterceptor(OUR_SERVICES)]
+        if config.api_key is not None:
             interceptors.insert(0, ApiKeyInterceptor(config.api_key))
         self.server = grpc.aio.server(options=server_options(config), interceptors=interceptors)
         self.port = 0
         self.exit_code = EXIT_OK
         self._shutdown = asyncio.Event()
         self._abort_now = asyncio.Event()
-        self._poke = asyncio.Event()
-        self._health_status = health_pb2.HealthCheckResponse.NOT_SERVING
+        self._health_status: HealthStatus = health_pb2.HealthCheckResponse.NOT_SERVING
         self._background: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:
-        pb_grpc.add_VllmEngineServicer_to_server(self.servicer, self.server)
+        servicer = VllmEngineServicer(self.engine, self.requests, self.state)
+        pb_grpc.add_VllmEngineServicer_to_server(servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
-            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server
+            (*OUR_SERVICES, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server
         )
-        self._listen()
-        await self._set_health(self._health_status)
-        await self.server.start()
-        if self.config.uds:
-            os.chmod(self.config.uds, 0o600)  # only this user (the co-located router)
+        await self._publish_health(self._health_status)
+        with _owner_only_files():
+            self._listen()
+            await self.server.start()
         await self._refresh_health()
-        self._background.append(asyncio.create_task(self._watch_engine(), name="engine-health"))
+        self._background.append(asyncio.create_task(self._watch_health(), name="health"))
         if self.config.stream_stall_timeout_seconds > 0:
-            stall = self.servicer.watch_stalled_streams(self.config.stream_stall_timeout_seconds)
+            stall = self.requests.watch_stalled_streams(self.config.stream_stall_timeout_seconds)
             self._background.append(asyncio.create_task(stall, name="stalled-streams"))
 
     def _listen(self) -> None:
@@ -139,54 +132,45 @@ class RunningServer:
             if not config.uds:
                 raise PortUnavailable("no listener: --port -1 needs --uds")
             return
-        address = _address(config.host, config.port)
+        where = address(config.host, config.port)
         credentials = server_credentials(
             config.ssl_certfile, config.ssl_keyfile, config.ssl_ca_certs
         )
         try:
             if credentials is None:
-                self.port = self.server.add_insecure_port(address)
+                self.port = self.server.add_insecure_port(where)
             else:
-                self.port = self.server.add_secure_port(address, credentials)
+                self.port = self.server.add_secure_port(where, credentials)
         except RuntimeError as exc:
-            raise PortUnavailable(f"cannot listen on {address}: {exc}") from exc
+            raise PortUnavailable(f"cannot listen on {where}: {exc}") from exc
         if self.port == 0:
-            raise PortUnavailable(f"cannot listen on {address}: address in use or not local")
+            raise PortUnavailable(f"cannot listen on {where}: address in use or not local")
 
     # -- health -----------------------------------------------------------------------------------
 
-    async def _refresh_health(self) -> bool:
-        try:
-            await self.engine.check_health()
-            healthy = True
-        except EngineUnavailable:
-            healthy = False
-        status = health_pb2.HealthCheckResponse
-        value = status.SERVING if healthy and not self.servicer.draining else status.NOT_SERVING
-        if value != self._health_status:
-            await self._set_health(value)
-        return healthy
-
-    async def _set_health(self, value: health_pb2.HealthCheckResponse.ServingStatus) -> None:
-        self._health_status = value
-        for service in ("", SERVICE_NAME):
-            await self.health.set(service, value)
-
-    async def _watch_engine(self) -> None:
-        """Follow engine health until cancelled; a failed request pokes it at once."""
-        while True:
-            if not await self._refresh_health():
-                self._engine_died()
-            self._poke.clear()
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._poke.wait(), self.config.health_poll_seconds)
-
-    def _engine_died(self) -> None:
-        if self.exit_code == EXIT_OK:
+    async def _refresh_health(self) -> None:
+        """Publish the serving state to grpc.health.v1; on engine death, shut down non-zero."""
+        status = await self.state.status()
+        value = health_pb2.HealthCheckResponse
+        published = value.SERVING if status.serving else value.NOT_SERVING
+        if published != self._health_status:
+            if not status.serving:
+                logger.warning("Health: NOT_SERVING (%s)", status.reason)
+            await self._publish_health(published)
+        if self.state.engine_dead and self.exit_code == EXIT_OK:
             logger.error("Engine is dead: reporting NOT_SERVING, draining, exiting non-zero")
             self.exit_code = EXIT_ENGINE_DEAD
-            self._poke.set()
             self.request_shutdown()
+
+    async def _publish_health(self, value: HealthStatus) -> None:
+        self._health_status = value
+        for service in ("", *OUR_SERVICES):
+            await self.health.set(service, value)
+
+    async def _watch_health(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.health_poll_seconds)
+            await self._refresh_health()
 
     # -- shutdown ---------------------------------------------------------------------------------
 
@@ -209,7 +193,7 @@ class RunningServer:
                 "%s: draining (grace %.1fs, %d requests in flight)",
                 sig.name,
                 self.config.shutdown_grace_seconds,
-                len(self.servicer.in_flight),
+                len(self.requests.in_flight),
             )
         self.request_shutdown()
 
@@ -220,13 +204,13 @@ class RunningServer:
 
     async def drain_and_stop(self) -> None:
         self._shutdown.set()
-        self.servicer.start_draining()
+        self.requests.start_draining()
         await self.health.enter_graceful_shutdown()
         if not await self._wait_idle_or_abort(self.config.shutdown_grace_seconds):
-            left = len(self.servicer.in_flight)
+            left = len(self.requests.in_flight)
             logger.warning("Drain grace over: aborting %d request(s) still in flight", left)
-            await self.servicer.abort_all()
-            await self.servicer.wait_idle(5.0)
+            await self.requests.abort_all()
+            await self.requests.wait_idle(5.0)
         await self.server.stop(grace=1.0)
         for task in self._background:
             task.cancel()
@@ -238,7 +222,7 @@ class RunningServer:
         logger.info("Server stopped")
 
     async def _wait_idle_or_abort(self, grace: float) -> bool:
-        idle = asyncio.ensure_future(self.servicer.wait_idle(grace))
+        idle = asyncio.ensure_future(self.requests.wait_idle(grace))
         abort = asyncio.ensure_future(self._abort_now.wait())
         try:
             await asyncio.wait({idle, abort}, return_when=asyncio.FIRST_COMPLETED)
@@ -259,7 +243,7 @@ async def serve(engine: AsyncEngine, config: ServerConfig) -> int:
     running = await start_server(engine, config)
     running.install_signal_handlers()
     facts = engine.facts
-    where = [_address(config.host, running.port)] if config.port >= 0 else []
+    where = [address(config.host, running.port)] if config.port >= 0 else []
     if config.uds:
         where.append(f"unix:{config.uds}")
     logger.info(

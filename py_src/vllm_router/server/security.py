@@ -9,7 +9,8 @@ from typing import Any
 
 import grpc
 
-from .errors import rebuild_handler
+from .config import StartupError
+from .interceptors import rebuild_handler
 
 # Kubernetes probes and load balancers must reach health without a token.
 UNAUTHENTICATED_PREFIXES = ("/grpc.health.v1.Health/",)
@@ -21,13 +22,16 @@ def server_credentials(
     """TLS credentials; with `ca_certs`, clients must present a certificate signed by it."""
     if not certfile and not keyfile:
         if ca_certs:
-            raise ValueError("--ssl-ca-certs needs --ssl-certfile and --ssl-keyfile")
+            raise StartupError("--ssl-ca-certs needs --ssl-certfile and --ssl-keyfile")
         return None
     if not (certfile and keyfile):
-        raise ValueError("TLS needs both --ssl-certfile and --ssl-keyfile")
-    key = Path(keyfile).read_bytes()
-    cert = Path(certfile).read_bytes()
-    root = Path(ca_certs).read_bytes() if ca_certs else None
+        raise StartupError("TLS needs both --ssl-certfile and --ssl-keyfile")
+    try:
+        key = Path(keyfile).read_bytes()
+        cert = Path(certfile).read_bytes()
+        root = Path(ca_certs).read_bytes() if ca_certs else None
+    except OSError as exc:
+        raise StartupError(f"cannot read a TLS file: {exc}") from exc
     return grpc.ssl_server_credentials(
         [(key, cert)], root_certificates=root, require_client_auth=root is not None
     )
@@ -45,7 +49,7 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
 
     def __init__(self, api_key: str) -> None:
         if not api_key:
-            raise ValueError("the API key must not be empty")
+            raise StartupError("the API key must not be empty (--api-key)")
         self._expected = f"Bearer {api_key}".encode()
 
     async def intercept_service(

@@ -1,0 +1,69 @@
+"""Command-line flags derived from a settings dataclass, as vLLM derives its engine flags.
+
+Field `name` becomes `--<prefix><name>` (underscores to dashes) with the field's
+default and type; help and an environment-variable default come from the field's
+metadata (`help`, `env`). A value is declared once, in the dataclass.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import types
+import typing
+from typing import Any, TypeVar
+
+Settings = TypeVar("Settings")
+
+
+def _scalar_type(hint: Any) -> type:
+    """int, float, str or bool from a type hint such as `str | None`."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        (hint,) = [arg for arg in typing.get_args(hint) if arg is not type(None)]
+    if hint not in (int, float, str, bool):
+        raise TypeError(f"no command-line form for a {hint!r} setting")
+    return hint
+
+
+def add_flags(
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup,
+    settings: type,
+    *,
+    prefix: str = "",
+    skip: frozenset[str] = frozenset(),
+) -> None:
+    """Add one flag per field of the dataclass `settings`, except the names in `skip`."""
+    hints = typing.get_type_hints(settings)
+    for field in dataclasses.fields(settings):
+        if field.name in skip:
+            continue
+        flag = "--" + (prefix + field.name).replace("_", "-")
+        kind = _scalar_type(hints[field.name])
+        default = field.default
+        env = field.metadata.get("env")
+        help_text = field.metadata.get("help", "")
+        if env:
+            default = os.environ.get(env) or default
+            help_text = f"{help_text} (default: ${env})"
+        elif kind is not bool and default is not None:
+            help_text = f"{help_text} (default: {default})".lstrip()
+        dest = prefix.replace("-", "_") + field.name
+        if kind is bool:
+            parser.add_argument(
+                flag, dest=dest, action=argparse.BooleanOptionalAction, default=default,
+                help=help_text or None,
+            )  # fmt: skip
+        else:
+            parser.add_argument(flag, dest=dest, type=kind, default=default, help=help_text or None)
+
+
+def from_args(settings: type[Settings], args: argparse.Namespace, *, prefix: str = "") -> Settings:
+    """The dataclass `settings` filled from parsed `args` (fields without a flag keep defaults)."""
+    dest_prefix = prefix.replace("-", "_")
+    values = {
+        field.name: getattr(args, dest_prefix + field.name)
+        for field in dataclasses.fields(settings)  # type: ignore[arg-type]
+        if hasattr(args, dest_prefix + field.name)
+    }
+    return settings(**values)

@@ -1,0 +1,126 @@
+"""Conversions between the neutral types and vLLM's: sampling params, logprobs, errors.
+
+vLLM is imported inside the functions, so this module imports without vLLM.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, NoReturn
+
+from ..errors import EngineUnavailable, InvalidRequest, Overloaded
+from .types import NEUTRAL_DEFAULT, SamplingOptions, TokenLogprob
+
+if TYPE_CHECKING:
+    from vllm.sampling_params import SamplingParams
+
+# Fields that take the model's generation-config value when unset (see types.py).
+_MODEL_DEFAULTED = {
+    f.name: f.metadata[NEUTRAL_DEFAULT]
+    for f in dataclasses.fields(SamplingOptions)
+    if NEUTRAL_DEFAULT in f.metadata
+}
+# Fields built below rather than passed through by name.
+_BUILT = {"max_tokens", "stop", "stop_token_ids"}
+# Everything else passes through by name when set; unset ones take vLLM's own defaults.
+_PASSED_THROUGH = tuple(
+    f.name
+    for f in dataclasses.fields(SamplingOptions)
+    if f.name not in _MODEL_DEFAULTED and f.name not in _BUILT
+)
+
+
+def build_sampling_params(
+    options: SamplingOptions,
+    *,
+    model_defaults: Mapping[str, Any],
+    prompt_len: int,
+    max_model_len: int,
+    detokenize: bool,
+) -> SamplingParams:
+    """SamplingParams as vLLM's OpenAI server would build them for this request.
+
+    `model_defaults` is `ModelConfig.get_diff_sampling_param()`: a field the client
+    left unset takes the model's generation-config value, else vLLM's neutral
+    default. Raises vLLM's validation error for values it rejects.
+    """
+    from vllm.sampling_params import RequestOutputKind, SamplingParams
+
+    values: dict[str, Any] = {
+        name: value if (value := getattr(options, name)) is not None
+        else model_defaults.get(name, neutral)
+        for name, neutral in _MODEL_DEFAULTED.items()
+    }  # fmt: skip
+    for name in _PASSED_THROUGH:
+        value = getattr(options, name)
+        if value is not None:
+            values[name] = value
+    max_tokens = options.max_tokens
+    if max_tokens is None:
+        room = max_model_len - prompt_len
+        default_max = model_defaults.get("max_tokens")
+        max_tokens = room if default_max is None else min(room, default_max)
+    stop_token_ids = list(options.stop_token_ids)
+    for extra in model_defaults.get("stop_token_ids") or ():
+        if extra not in stop_token_ids:
+            stop_token_ids.append(extra)
+    return SamplingParams.from_optional(
+        **values,
+        max_tokens=max_tokens,
+        stop=list(options.stop),
+        stop_token_ids=stop_token_ids,
+        detokenize=detokenize,
+        output_kind=RequestOutputKind.DELTA,
+        skip_clone=True,
+    )
+
+
+def convert_logprobs(token_ids: list[int], positions: Any, num_top: int) -> list[TokenLogprob]:
+    """vLLM's per-position {token id: Logprob} maps -> TokenLogprob with the `num_top` best."""
+    entries = []
+    for token_id, position in zip(token_ids, positions or (), strict=False):
+        sampled = position.get(token_id) if position else None
+        top = sorted(
+            (lp.rank, tid, lp.logprob)
+            for tid, lp in (position or {}).items()
+            if lp.rank is not None and lp.rank <= num_top
+        )
+        entries.append(
+            TokenLogprob(
+                token_id=token_id,
+                logprob=sampled.logprob if sampled is not None else -math.inf,
+                top=tuple((tid, logprob) for _, tid, logprob in top),
+            )
+        )
+    return entries
+
+
+def translate_error(exc: Exception) -> Exception:
+    """vLLM's exceptions -> the servicer's (see errors.py); anything else is returned as is.
+
+    vLLM validates requests by raising ValueError/TypeError (or its VLLMClientError
+    subclasses) before the request reaches the engine core: those are the client's.
+    """
+    from vllm.exceptions import GracefulHTTPError, VLLMClientError
+    from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
+
+    if isinstance(exc, EngineDeadError):
+        return EngineUnavailable("vLLM engine is dead (EngineDeadError); retry on another worker")
+    if isinstance(exc, GracefulHTTPError):
+        return Overloaded(exc.message)
+    if isinstance(exc, (VLLMClientError, ValueError, TypeError)):
+        return InvalidRequest(str(exc))
+    if isinstance(exc, EngineGenerateError) and isinstance(
+        exc.__cause__, (VLLMClientError, ValueError, TypeError)
+    ):
+        return InvalidRequest(str(exc.__cause__))
+    return exc
+
+
+def reraise(exc: Exception) -> NoReturn:
+    translated = translate_error(exc)
+    if translated is exc:
+        raise exc
+    raise translated from exc

@@ -1,0 +1,86 @@
+"""ServerConfig: every server setting declared once; the CLI derives `--<name>` flags from it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+# Field metadata keys read by `vllm_router.dataclass_flags`.
+HELP = "help"
+ENV = "env"  # environment variable that supplies the default
+VLLM_DEFINES = "vllm_defines"  # vLLM's engine flags define this flag when vLLM is present
+
+
+class StartupError(RuntimeError):
+    """The server cannot start with this configuration (reported in one line, exit 1)."""
+
+
+def _opt(default: Any, help: str, **extra: Any) -> Any:
+    return field(default=default, metadata={HELP: help, **extra})
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = _opt("127.0.0.1", "address to listen on (0.0.0.0: all)")
+    port: int = _opt(50051, "TCP port; 0 picks a free port and logs it; -1: none (needs --uds)")
+    shutdown_grace_seconds: float = _opt(
+        30.0, "on SIGTERM/SIGINT, how long in-flight requests may run before they are aborted"
+    )
+    max_message_bytes: int = _opt(
+        64 * 1024 * 1024, "largest request or response message; larger get RESOURCE_EXHAUSTED"
+    )
+    # Server-initiated pings find dead peers; clients may ping as often as
+    # every `min_client_ping_interval_ms` without being sent GOAWAY.
+    keepalive_time_ms: int = _opt(30_000, "ping a connection this often to find dead peers")
+    keepalive_timeout_ms: int = _opt(10_000, "drop a connection whose ping is not answered in time")
+    min_client_ping_interval_ms: int = _opt(
+        500, "clients may send keepalive pings this often without being disconnected"
+    )
+    health_poll_seconds: float = _opt(1.0, "how often grpc.health.v1 re-checks the engine")
+    enable_log_requests: bool = _opt(
+        False, "log each request's id and prompt length (never its tokens)", **{VLLM_DEFINES: True}
+    )
+    # Admission: generation requests in flight (0: no limit) and prompt length.
+    max_concurrent_streams: int = _opt(
+        0,
+        "generation requests in flight at most; more get RESOURCE_EXHAUSTED at once "
+        "(0: no limit, the engine queues them)",
+    )
+    max_prompt_tokens: int = _opt(
+        0, "longest prompt admitted, in tokens (0: only the model's context limits it)"
+    )
+    stream_stall_timeout_seconds: float = _opt(
+        60.0, "abort a stream whose client has not read a message for this long (0: never)"
+    )
+    # Transport security; the unix socket (mode 0600) is always plaintext.
+    ssl_certfile: str | None = _opt(None, "server certificate (PEM): serve TLS")
+    ssl_keyfile: str | None = _opt(None, "server private key (PEM)")
+    ssl_ca_certs: str | None = _opt(
+        None, "CA bundle (PEM): require client certificates signed by it (mTLS)"
+    )
+    api_key: str | None = field(
+        default=None,
+        repr=False,
+        metadata={
+            HELP: "require 'authorization: Bearer <key>' on every RPC but grpc.health.v1",
+            ENV: "VLLM_SERVICER_API_KEY",
+        },
+    )
+    uds: str | None = _opt(
+        None, "also listen on this unix socket (mode 0600, plaintext); --port -1 for it alone"
+    )
+
+
+def server_options(config: ServerConfig) -> list[tuple[str, int]]:
+    """gRPC core channel arguments (real key names: unknown keys are ignored silently)."""
+    return [
+        ("grpc.max_receive_message_length", config.max_message_bytes),
+        ("grpc.max_send_message_length", config.max_message_bytes),
+        ("grpc.keepalive_time_ms", config.keepalive_time_ms),
+        ("grpc.keepalive_timeout_ms", config.keepalive_timeout_ms),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_ping_interval_without_data_ms", config.min_client_ping_interval_ms),
+        ("grpc.http2.max_ping_strikes", 2),
+        # Never let a second server bind the same port without an error.
+        ("grpc.so_reuseport", 0),
+    ]

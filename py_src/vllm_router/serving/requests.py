@@ -1,0 +1,171 @@
+"""The request table: every generation request in flight on this worker, whatever contract.
+
+It owns the one request-id space (duplicates are ALREADY_EXISTS), the admission
+limits, the drain (refuse new work, wait for idle, abort the rest), the watchdog
+that aborts streams whose client stopped reading, and the engine call itself, so
+every contract's handler is: convert, `async with table.run(request)`, convert back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+from collections.abc import AsyncGenerator, AsyncIterator
+
+from ..engine import AsyncEngine, EngineStep, GenerationRequest
+from ..errors import DuplicateRequest, EngineUnavailable, Overloaded
+from .health import ServingState
+from .prompts import check_prompt
+
+logger = logging.getLogger(__name__)
+
+SHUT_DOWN = (
+    "server shut down before the request finished (aborted after the drain grace period); "
+    "retry on another worker"
+)
+
+
+class Flight:
+    """One admitted request: its engine steps and what the watchdog needs to know."""
+
+    __slots__ = ("request", "sending_since", "shut_down", "steps", "task")
+
+    def __init__(self, request: GenerationRequest, steps: AsyncGenerator[EngineStep, None]):
+        self.request = request
+        self.steps = steps
+        self.task = asyncio.current_task()
+        # Loop time since which a message has been waiting for the client to take it.
+        self.sending_since: float | None = None
+        self.shut_down = False
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    def check_finished(self, step: EngineStep) -> None:
+        """Call on the finished step: an abort by the drain is UNAVAILABLE, not an answer."""
+        if self.shut_down and step.finish_reason == "abort":
+            raise EngineUnavailable(SHUT_DOWN)
+
+
+class RequestTable:
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        state: ServingState,
+        *,
+        max_concurrent: int = 0,
+        max_prompt_tokens: int = 0,
+        log_requests: bool = False,
+    ) -> None:
+        self._engine = engine
+        self._state = state
+        self._max_concurrent = max_concurrent
+        self._max_prompt_tokens = max_prompt_tokens
+        self._log_requests = log_requests
+        self._flights: dict[str, Flight] = {}
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    @property
+    def in_flight(self) -> frozenset[str]:
+        return frozenset(self._flights)
+
+    @property
+    def draining(self) -> bool:
+        return self._state.draining
+
+    @contextlib.asynccontextmanager
+    async def run(self, request: GenerationRequest) -> AsyncIterator[Flight]:
+        """Admit `request`, start it in the engine and yield its Flight.
+
+        Leaving the block (finished, cancelled, failed) closes the engine's
+        iterator, which aborts the request in the engine if it is still running.
+        """
+        await self._state.require_serving()
+        request = await self._with_checked_prompt(request)
+        request_id = request.request_id
+        if request_id in self._flights:
+            raise DuplicateRequest(f"request_id {request_id!r} is already in flight on this worker")
+        if self._max_concurrent and len(self._flights) >= self._max_concurrent:
+            raise Overloaded(
+                f"this worker already runs {len(self._flights)} requests "
+                f"(--max-concurrent-streams {self._max_concurrent}); retry on another worker"
+            )
+        flight = Flight(request, self._engine.generate(request))
+        self._flights[request_id] = flight
+        self._idle.clear()
+        if self._log_requests:
+            logger.info(
+                "request %s: %d prompt tokens, dp_rank=%s",
+                request_id,
+                len(request.prompt_token_ids or ()),
+                request.dp_rank,
+            )
+        try:
+            yield flight
+        finally:
+            await flight.steps.aclose()
+            del self._flights[request_id]
+            if not self._flights:
+                self._idle.set()
+
+    async def _with_checked_prompt(self, request: GenerationRequest) -> GenerationRequest:
+        if request.prompt_token_ids is None:
+            ids = await self._engine.tokenize(request.prompt_text or "")
+            request = dataclasses.replace(request, prompt_token_ids=ids, prompt_text=None)
+            field_name = "prompt_text (tokenized)"
+        else:
+            field_name = "prompt_token_ids"
+        check_prompt(
+            request.prompt_token_ids or [],
+            request.sampling.max_tokens,
+            self._engine.facts,
+            max_prompt_tokens=self._max_prompt_tokens,
+            field_name=field_name,
+        )
+        return request
+
+    # -- drain ------------------------------------------------------------------------------------
+
+    def start_draining(self) -> None:
+        """Refuse new generation requests (UNAVAILABLE); in-flight ones continue."""
+        self._state.start_draining()
+
+    async def wait_idle(self, timeout: float | None) -> bool:
+        """Wait until no request is in flight; False if `timeout` passed first."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+        except asyncio.TimeoutError:
+            return False
+        return True
+
+    async def abort_all(self) -> None:
+        """Abort every request in flight; their RPCs end UNAVAILABLE (see Flight)."""
+        for flight in list(self._flights.values()):
+            flight.shut_down = True
+            await self._engine.abort(flight.request_id)
+
+    # -- stalled readers --------------------------------------------------------------------------
+
+    async def watch_stalled_streams(self, stall_timeout: float) -> None:
+        """Cancel streams whose client stopped reading (a send blocked by flow control).
+
+        Cancelling the RPC closes the engine's iterator, which aborts the request in
+        the engine: nothing keeps decoding for a client that no longer reads.
+        """
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(min(1.0, stall_timeout / 4))
+            now = loop.time()
+            for flight in list(self._flights.values()):
+                since = flight.sending_since
+                if since is not None and now - since > stall_timeout and flight.task is not None:
+                    logger.warning(
+                        "request %s: client has not read for %.1fs; aborting",
+                        flight.request_id,
+                        now - since,
+                    )
+                    flight.task.cancel()

@@ -1,0 +1,111 @@
+"""Test library: one request builder, one server harness and the helpers every suite uses.
+
+Fixtures live in conftest.py; this module is what tests import.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import sys
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from vllm_router.engine import AsyncEngine
+from vllm_router.proto import vllm_engine_pb2 as pb
+from vllm_router.proto import vllm_engine_pb2_grpc as pb_grpc
+from vllm_router.server import RunningServer, ServerConfig, start_server
+
+# `make test` sets this: a test that cannot run (no vLLM, no grpcurl) fails, not skips.
+REQUIRE_ALL = os.environ.get("VLLM_SERVICER_REQUIRE_ALL") == "1"
+
+
+def require(condition: bool, reason: str) -> None:
+    """Skip when a prerequisite is missing, except under `make test`/CI, where it fails."""
+    if not condition:
+        if REQUIRE_ALL:
+            pytest.fail(f"prerequisite missing (VLLM_SERVICER_REQUIRE_ALL=1): {reason}")
+        pytest.skip(reason)
+
+
+def grpcurl_path() -> str | None:
+    beside_python = Path(sys.executable).parent / "grpcurl"
+    return str(beside_python) if beside_python.exists() else shutil.which("grpcurl")
+
+
+@dataclass
+class Harness:
+    """A started server around `engine`, and a channel and stub to reach it."""
+
+    engine: Any  # MockAsyncEngine or VllmEngine: tests use each one's extras
+    server: RunningServer
+    channel: grpc.aio.Channel
+    stub: pb_grpc.VllmEngineStub
+    model_dir: Path | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.server.port}"
+
+    async def close(self) -> None:
+        await self.channel.close()
+        await self.server.drain_and_stop()  # also shuts the engine down
+
+
+# The start_mock fixture's factory: (ServerConfig | None, **MockConfig fields) -> Harness.
+StartServer = Callable[..., Awaitable[Harness]]
+
+
+async def start_harness(
+    engine: AsyncEngine, config: ServerConfig | None = None, model_dir: Path | None = None
+) -> Harness:
+    running = await start_server(engine, config or ServerConfig(port=0))
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{running.port}")
+    return Harness(engine, running, channel, pb_grpc.VllmEngineStub(channel), model_dir)
+
+
+def request(
+    prompt: list[int] | None = None, request_id: str = "", **sampling: Any
+) -> pb.GenerateRequest:
+    """A GenerateRequest for token ids `prompt` with the given sampling fields."""
+    return pb.GenerateRequest(
+        request_id=request_id,
+        prompt_token_ids=prompt or [],
+        sampling_params=pb.SamplingParams(**sampling),
+    )
+
+
+async def wait_until(predicate: Callable[[], bool], timeout: float = 10.0, what: str = "") -> None:
+    """Poll `predicate` until it holds; fail with `what` after `timeout` seconds."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not predicate():
+        assert loop.time() < deadline, f"not reached in {timeout}s: {what or predicate}"
+        await asyncio.sleep(0.02)
+
+
+def real_engine_idle(harness: Harness) -> bool:
+    """The engine's own view (not the servicer's): nothing unfinished, scheduler empty."""
+    load = harness.engine.load()
+    unfinished = harness.engine.llm.get_num_unfinished_requests()
+    return unfinished == 0 and load.running_requests == 0 and load.waiting_requests == 0
+
+
+async def collect_stream(
+    stub: pb_grpc.VllmEngineStub, req: pb.GenerateRequest, **kwargs: Any
+) -> list[pb.GenerateStreamResponse]:
+    return [message async for message in stub.GenerateStream(req, **kwargs)]
+
+
+async def read_rest(call: grpc.aio.UnaryStreamCall) -> list[pb.GenerateStreamResponse]:
+    """Read a stream to its end after earlier `read()` calls (iteration cannot be mixed in)."""
+    messages = []
+    while (message := await call.read()) is not grpc.aio.EOF:
+        messages.append(message)
+    return messages

@@ -1,0 +1,104 @@
+"""Every field of the contract reaches the engine (or is refused): nothing is silently ignored.
+
+These tests set each proto field, one at a time, to a non-default value and check
+that the conversion's result changes or that the request is refused with a status.
+A new field that nobody maps makes them fail.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import inspect
+
+import pytest
+from google.protobuf.descriptor import FieldDescriptor
+
+from vllm_router import convert
+from vllm_router.engine import GenerationRequest, ModelFacts, SamplingOptions
+from vllm_router.errors import ServicerError
+from vllm_router.proto import vllm_engine_pb2 as pb
+
+from harness import require
+
+FACTS = ModelFacts("m", "m", 100, 50, 2, 16, (2,), "mock", "0")
+# Non-default values for message-typed fields (scalars are derived from their type).
+MESSAGE_VALUES = {
+    "sampling_params": pb.SamplingParams(max_tokens=3),
+}
+SCALAR_VALUES = {
+    FieldDescriptor.CPPTYPE_FLOAT: 0.5,
+    FieldDescriptor.CPPTYPE_DOUBLE: 0.5,
+    FieldDescriptor.CPPTYPE_INT32: 1,
+    FieldDescriptor.CPPTYPE_INT64: 1,
+    FieldDescriptor.CPPTYPE_UINT32: 1,
+    FieldDescriptor.CPPTYPE_UINT64: 1,
+    FieldDescriptor.CPPTYPE_BOOL: True,
+    FieldDescriptor.CPPTYPE_STRING: "x",
+}
+
+
+def _set_non_default(message: object, field: FieldDescriptor) -> None:
+    target = getattr(message, field.name)
+    if field.cpp_type == FieldDescriptor.CPPTYPE_MESSAGE:
+        if field.is_repeated:
+            target.add()
+        else:
+            assert field.name in MESSAGE_VALUES, f"add a non-default value for {field.name}"
+            target.CopyFrom(MESSAGE_VALUES[field.name])
+    elif field.cpp_type == FieldDescriptor.CPPTYPE_ENUM:
+        value = field.enum_type.values[1].number
+        if field.is_repeated:
+            target.append(value)
+        else:
+            setattr(message, field.name, value)
+    elif field.is_repeated:
+        target.append(SCALAR_VALUES[field.cpp_type])
+    else:
+        setattr(message, field.name, SCALAR_VALUES[field.cpp_type])
+
+
+@pytest.mark.parametrize("field", list(pb.SamplingParams.DESCRIPTOR.fields), ids=lambda f: f.name)
+def test_every_sampling_field_reaches_sampling_options(field: FieldDescriptor) -> None:
+    params = pb.SamplingParams()
+    _set_non_default(params, field)
+    options = convert.to_sampling_options(params)
+    assert options != SamplingOptions(), f"sampling_params.{field.name} is ignored"
+
+
+def _convert_or_refuse(request: pb.GenerateRequest) -> GenerationRequest | str:
+    try:
+        return convert.to_generation_request(request, FACTS)
+    except ServicerError as exc:
+        return exc.code.name
+
+
+@pytest.mark.parametrize("field", list(pb.GenerateRequest.DESCRIPTOR.fields), ids=lambda f: f.name)
+def test_every_generate_request_field_is_used_or_refused(field: FieldDescriptor) -> None:
+    # Two baselines: a token prompt and a text prompt (prompt_text counts only without ids).
+    baselines = [
+        pb.GenerateRequest(request_id="r", prompt_token_ids=[1]),
+        pb.GenerateRequest(request_id="r", prompt_text="y"),
+    ]
+    for baseline in baselines:
+        changed = pb.GenerateRequest()
+        changed.CopyFrom(baseline)
+        _set_non_default(changed, field)
+        before, after = _convert_or_refuse(baseline), _convert_or_refuse(changed)
+        assert isinstance(before, GenerationRequest)
+        if after != before:
+            return
+    pytest.fail(f"GenerateRequest.{field.name} changes nothing and is not refused")
+
+
+def test_the_vllm_adapter_passes_every_sampling_field_to_vllm() -> None:
+    require(importlib.util.find_spec("vllm") is not None, "vLLM is not installed")
+    from vllm.sampling_params import SamplingParams
+
+    from vllm_router.engine import vllm_params
+
+    accepted = set(inspect.signature(SamplingParams.from_optional).parameters)
+    read = set(vllm_params._MODEL_DEFAULTED) | set(vllm_params._PASSED_THROUGH)
+    read |= vllm_params._BUILT
+    assert read == {f.name for f in dataclasses.fields(SamplingOptions)}
+    assert read <= accepted, read - accepted
