@@ -84,7 +84,7 @@ else
 	$(BIN)/python -m vllm_router.testing.tiny_model $(TINY_MODEL_DIR)
 	@echo "Try: $(BIN)/grpcurl -plaintext -d '{\"prompt_token_ids\":[1,5,9],\"sampling_params\":{\"max_tokens\":8}}' $(HOST):$(PORT) vllm.engine.v1.VllmEngine/GenerateStream"
 	$(CPU_ENV) $(BIN)/vllm-servicer --model $(TINY_MODEL_DIR) --host $(HOST) --port $(PORT) \
-		--max-model-len 512 $(ENGINE_MEMORY) --enforce-eager $(SERVE_ARGS)
+		--max-model-len 512 $(ENGINE_MEMORY) --enforce-eager --enable-lora --max-lora-rank 8 $(SERVE_ARGS)
 endif
 
 # Benchmarks: vLLM's own gRPC launcher (smg packages, --no-deps so they pull no CUDA vLLM)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import pytest
@@ -13,6 +13,7 @@ from vllm_router.testing.mock_engine import MockAsyncEngine, MockConfig
 
 import real_engine
 from harness import Harness, StartServer, start_harness
+from vllm_servers import vllm_openai_server
 
 _FIGURES: list[str] = []
 
@@ -73,6 +74,41 @@ async def real() -> AsyncIterator[Harness]:
     """Our server over a real vLLM AsyncLLM on the tiny model, one per test session."""
     async for harness in _real_harness():
         yield harness
+
+
+@pytest.fixture(scope="session")
+def vllm_http() -> Iterator[str]:
+    """vLLM's OpenAI server: same model and engine flags as `real`, the tiny LoRA preloaded."""
+    real_engine.require_vllm()
+    model, adapter = real_engine.tiny_model(), real_engine.tiny_lora()
+    lora = f"{real_engine.LORA_NAME}={adapter}"
+    with vllm_openai_server(
+        model, real_engine.ENGINE_FLAGS, "--lora-modules", lora, log_name="vllm-openai.log"
+    ) as base:
+        yield base
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def real_embed() -> AsyncIterator[Harness]:
+    """Our server over a pooling (embedding) engine on the tiny model."""
+    real_engine.require_vllm()
+    model_dir = real_engine.tiny_model()
+    engine = real_engine.start_engine(model_dir, real_engine.EMBED_FLAGS)
+    harness = await start_harness(engine, ServerConfig(port=0), model_dir)
+    try:
+        yield harness
+    finally:
+        await harness.close()
+
+
+@pytest.fixture(scope="module")
+def vllm_embed_http() -> Iterator[str]:
+    """vLLM's OpenAI server on the same pooling engine flags as `real_embed`."""
+    real_engine.require_vllm()
+    with vllm_openai_server(
+        real_engine.tiny_model(), real_engine.EMBED_FLAGS, log_name="vllm-embed.log"
+    ) as base:
+        yield base
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")

@@ -17,17 +17,28 @@ ROOT = Path(__file__).resolve().parent.parent
 MODEL_CACHE = ROOT / ".cache"
 # The same engine flags for our servicer and for vLLM's own OpenAI server (parity).
 MAX_MODEL_LEN = 256
-ENGINE_FLAGS = {
+BASE_FLAGS: dict[str, object] = {
     "max_model_len": MAX_MODEL_LEN,
     "gpu_memory_utilization": 0.3,
     "enforce_eager": True,
     "seed": 0,
 }
+# The shared generation engine also serves LoRA adapters and priorities.
+ENGINE_FLAGS = {
+    **BASE_FLAGS,
+    "enable_lora": True,
+    "max_lora_rank": 8,
+    "max_loras": 2,
+    "scheduling_policy": "priority",
+}
+# A pooling engine over the same checkpoint, for embeddings.
+EMBED_FLAGS = {**BASE_FLAGS, "runner": "pooling", "convert": "embed"}
+LORA_NAME = "tiny-lora"
 
 
-def cli_flags() -> list[str]:
+def cli_flags(engine_flags: dict[str, object] = ENGINE_FLAGS) -> list[str]:
     flags = []
-    for name, value in ENGINE_FLAGS.items():
+    for name, value in engine_flags.items():
         flag = "--" + name.replace("_", "-")
         flags += [flag] if value is True else [flag, str(value)]
     return flags
@@ -50,10 +61,19 @@ def tiny_model(temperature: float | None = None) -> Path:
     return target
 
 
-def start_engine(model: Path) -> VllmEngine:
+def tiny_lora() -> Path:
+    """A random-weight LoRA adapter for the tiny model (built in a subprocess, once)."""
+    target = MODEL_CACHE / LORA_NAME
+    if not (target / "adapter_config.json").exists():
+        command = [sys.executable, "-m", "vllm_router.testing.tiny_lora", str(tiny_model())]
+        subprocess.run([*command, str(target)], check=True, capture_output=True, timeout=300)
+    return target
+
+
+def start_engine(model: Path, engine_flags: dict[str, object] = ENGINE_FLAGS) -> VllmEngine:
     """A VllmEngine over AsyncLLM; call inside the test session's event loop."""
     from vllm.engine.arg_utils import AsyncEngineArgs
 
     from vllm_router.engine.vllm import VllmEngine
 
-    return VllmEngine.from_engine_args(AsyncEngineArgs(model=str(model), **ENGINE_FLAGS))
+    return VllmEngine.from_engine_args(AsyncEngineArgs(model=str(model), **engine_flags))

@@ -25,6 +25,7 @@ FACTS = ModelFacts("m", "m", 100, 50, 2, 16, (2,), "mock", "0")
 # Non-default values for message-typed fields (scalars are derived from their type).
 MESSAGE_VALUES = {
     "sampling_params": pb.SamplingParams(max_tokens=3),
+    "structured_outputs": pb.StructuredOutputs(regex="[a-z]+"),
 }
 SCALAR_VALUES = {
     FieldDescriptor.CPPTYPE_FLOAT: 0.5,
@@ -40,7 +41,9 @@ SCALAR_VALUES = {
 
 def _set_non_default(message: object, field: FieldDescriptor) -> None:
     target = getattr(message, field.name)
-    if field.cpp_type == FieldDescriptor.CPPTYPE_MESSAGE:
+    if field.message_type is not None and field.message_type.GetOptions().map_entry:
+        target[1] = SCALAR_VALUES[field.message_type.fields_by_name["value"].cpp_type]
+    elif field.cpp_type == FieldDescriptor.CPPTYPE_MESSAGE:
         if field.is_repeated:
             target.add()
         else:

@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import pytest
 
-from vllm_router import convert
+from vllm_router import convert, responses
 from vllm_router.engine import EngineStep, ModelFacts, SamplingOptions, TokenLogprob
 from vllm_router.errors import InvalidRequest, Unsupported
 from vllm_router.proto import vllm_engine_pb2 as pb
@@ -82,18 +82,18 @@ def test_stream_message_final_fields() -> None:
         cached_tokens=2,
         logprobs=[TokenLogprob(0, -0.1, ((0, -0.1),)), TokenLogprob(7, -1.0)],
     )
-    message = convert.stream_message("r", step, pb.WorkerMetrics(running_requests=4))
+    message = responses.stream_message("r", step, pb.WorkerMetrics(running_requests=4))
     assert list(message.token_ids) == [0, 7] and message.text_delta == "ab"
     assert message.is_finished and message.finish_reason == "stop" and message.stop_str == "b"
     assert (message.usage.prompt_tokens, message.usage.completion_tokens) == (3, 9)
     assert message.usage.cached_tokens == 2 and message.metrics.running_requests == 4
     assert [lp.token_id for lp in message.logprobs] == [0, 7]
-    no_metrics = convert.stream_message("r", step, None)
+    no_metrics = responses.stream_message("r", step, None)
     assert not no_metrics.HasField("metrics")
 
 
 def test_unary_accumulator_joins_steps() -> None:
-    acc = convert.UnaryAccumulator()
+    acc = responses.UnaryAccumulator()
     acc.add(EngineStep([1, 2], "x", False, prompt_tokens=1, completion_tokens=2))
     acc.add(EngineStep([2], "y", True, "stop", 2, prompt_tokens=1, completion_tokens=3))
     response = acc.response("r", None)
@@ -232,3 +232,38 @@ def test_the_mock_rejects_exactly_what_vllm_rejects(options: SamplingOptions) ->
         )
     )
     assert rejects(lambda: validate_sampling(options, detokenize=True)) == vllm_rejects
+
+
+def test_unary_response_with_n_samples() -> None:
+    acc = responses.UnaryAccumulator()
+    acc.add(EngineStep([5], "a", False, prompt_tokens=2, completion_tokens=1, index=1))
+    acc.add(EngineStep([7], "b", True, "length", prompt_tokens=2, completion_tokens=1, index=0))
+    acc.add(EngineStep([6], "c", True, "stop", 6, prompt_tokens=2, completion_tokens=2, index=1))
+    response = acc.response("r", None)
+    # Top-level fields are sample 0; usage counts every sample's tokens.
+    assert (list(response.output_token_ids), response.finish_reason) == ([7], "length")
+    assert (response.usage.prompt_tokens, response.usage.completion_tokens) == (2, 3)
+    assert [(s.index, list(s.output_token_ids), s.output_text) for s in response.samples] == [
+        (0, [7], "b"),
+        (1, [5, 6], "ac"),
+    ]
+    assert (response.samples[1].finish_reason, response.samples[1].stop_token_id) == ("stop", 6)
+    single = responses.UnaryAccumulator()
+    single.add(EngineStep([7], "b", True, "length", prompt_tokens=2, completion_tokens=1))
+    assert len(single.response("r", None).samples) == 0  # n = 1: no duplicate sample list
+
+
+def test_tokenizer_chunks_and_digest() -> None:
+    import hashlib
+
+    files = [("a.json", b"x" * (responses.TOKENIZER_CHUNK_BYTES + 5)), ("b.txt", b"")]
+    chunks = list(responses.tokenizer_chunks(files))
+    assert [(c.file_name, len(c.data)) for c in chunks[:-1]] == [
+        ("a.json", responses.TOKENIZER_CHUNK_BYTES),
+        ("a.json", 5),
+        ("b.txt", 0),
+    ]
+    expected = hashlib.sha256()
+    for name, data in files:
+        expected.update(name.encode() + b"\0" + len(data).to_bytes(8, "big") + data)
+    assert (chunks[-1].sha256, chunks[-1].file_count) == (expected.hexdigest(), 2)

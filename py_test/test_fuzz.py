@@ -55,6 +55,31 @@ sampling = st.fixed_dictionaries(
         "logprobs": st.integers(-3, 25) | st.integers(-(2**31), 2**31 - 1),
     },
 )
+# The router-grade fields, drawn for a quarter of the requests (most are UNIMPLEMENTED
+# on the mock, and the happy path must stay common).
+router_grade = st.fixed_dictionaries(
+    {},
+    optional={
+        "n": st.integers(0, 4) | u32,
+        "logit_bias": st.dictionaries(
+            st.integers(-(2**31), 2**31 - 1) | st.integers(0, 100),
+            st.sampled_from([100.0, -100.0]) | floats,
+            max_size=3,
+        ),
+        "allowed_token_ids": st.lists(u32, max_size=3),
+        "bad_words": st.lists(st.text(max_size=5), max_size=2),
+        "prompt_logprobs": st.integers(-2, 5),
+    },
+)
+structured = st.one_of(
+    st.builds(pb.StructuredOutputs),
+    st.builds(pb.StructuredOutputs, regex=st.text(max_size=8)),
+    st.builds(pb.StructuredOutputs, json=st.text(max_size=8)),
+    st.builds(
+        pb.StructuredOutputs,
+        choice=st.builds(pb.ChoiceList, choices=st.lists(st.text(max_size=5), max_size=3)),
+    ),
+)
 
 
 @st.composite
@@ -67,12 +92,20 @@ def generate_requests(draw: st.DrawFn) -> pb.GenerateRequest:
         skip_detokenize=draw(st.booleans()),
         sampling_params=pb.SamplingParams(**draw(sampling)),
     )
+    if draw(st.integers(0, 3)) == 0:
+        request.sampling_params.MergeFrom(pb.SamplingParams(**draw(router_grade)))
     if request.prompt_token_ids and draw(st.integers(0, 7)) == 0:
         request.prompt_token_ids[0] = draw(u32)  # often outside the vocabulary
     if draw(st.booleans()):
         request.dp_rank = draw(st.integers(0, 2) | u32)
     if draw(st.integers(0, 9)) == 0:
         request.multimodal_data.add(modality="image", data=draw(st.binary(max_size=16)))
+    if draw(st.integers(0, 5)) == 0:
+        request.sampling_params.structured_outputs.CopyFrom(draw(structured))
+    if draw(st.integers(0, 7)) == 0:
+        request.lora_name = draw(st.text(max_size=6))
+    if draw(st.integers(0, 7)) == 0:
+        request.priority = draw(st.integers(-(2**31), 2**31 - 1))
     return request
 
 

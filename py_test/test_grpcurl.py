@@ -9,19 +9,31 @@ import shlex
 import signal
 from pathlib import Path
 
+import pytest
+
+from vllm_router.proto import vllm_engine_pb2 as pb
+
 import servers
-from harness import grpcurl_path, require
+from harness import Harness, grpcurl_path, require
+from real_engine import tiny_lora
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 
 
-def readme_grpcurl_commands() -> list[list[str]]:
+def readme_grpcurl_commands(block_index: int = 0) -> list[list[str]]:
+    """The grpcurl lines of the README's `block_index`-th bash block in its grpcurl section."""
     section = README.read_text().split("## Try it with grpcurl", 1)[1].split("\n## ", 1)[0]
-    block = re.search(r"```bash\n(.*?)```", section, re.S)
-    assert block, "README lost its grpcurl examples"
+    blocks = re.findall(r"```bash\n(.*?)```", section, re.S)
+    assert len(blocks) > block_index, "README lost its grpcurl examples"
     return [
-        shlex.split(line) for line in block.group(1).splitlines() if line.startswith("grpcurl ")
+        shlex.split(line)
+        for line in blocks[block_index].splitlines()
+        if line.startswith("grpcurl ")
     ]
+
+
+def _json_messages(output: str) -> list[dict]:
+    return [json.loads(chunk) for chunk in re.split(r"(?<=\})\n(?=\{)", output.strip())]
 
 
 async def _grpcurl(binary: str, args: list[str]) -> tuple[int, str, str]:
@@ -59,12 +71,7 @@ async def test_readme_grpcurl_commands_work_as_printed() -> None:
         unary = json.loads(outputs["vllm.engine.v1.VllmEngine/Generate"])
         assert unary["request_id"] == "req-1" and unary["output_token_ids"] == list(range(10, 18))
         assert unary["finish_reason"] == "length"
-        stream = [
-            json.loads(chunk)
-            for chunk in re.split(
-                r"(?<=\})\n(?=\{)", outputs["vllm.engine.v1.VllmEngine/GenerateStream"].strip()
-            )
-        ]
+        stream = _json_messages(outputs["vllm.engine.v1.VllmEngine/GenerateStream"])
         assert [t for m in stream for t in m["token_ids"]] == list(range(10, 18))
         assert stream[-1]["is_finished"] is True
         assert json.loads(outputs["vllm.engine.v1.VllmEngine/HealthCheck"])["status"] == "SERVING"
@@ -74,3 +81,41 @@ async def test_readme_grpcurl_commands_work_as_printed() -> None:
     finally:
         server.process.send_signal(signal.SIGTERM)
         await server.wait(15)
+
+
+@pytest.mark.vllm
+async def test_readme_router_grade_commands_on_the_real_engine(real: Harness) -> None:
+    binary = grpcurl_path()
+    require(binary is not None, "grpcurl is not installed (make install puts it in .venv/bin)")
+    commands = readme_grpcurl_commands(1)
+    new_rpcs = {"Abort", "GetLoads", "GetTokenizer", "Embed", "ListLoraAdapters",
+                "LoadLoraAdapter", "UnloadLoraAdapter"}  # fmt: skip
+    assert {f"vllm.engine.v1.VllmEngine/{rpc}" for rpc in new_rpcs} <= {c[-1] for c in commands}
+    substitutions = {"localhost:50051": real.address, "/models/my-lora": str(tiny_lora())}
+    outputs, errors = {}, {}
+    for command in commands:
+        args = [_substitute(arg, substitutions) for arg in command[1:]]
+        code, out, err = await _grpcurl(binary, args)
+        rpc = command[-1].rsplit("/", 1)[1]
+        if rpc == "Embed":  # a generation model: the wrong RPC, said clearly
+            assert code != 0 and "FailedPrecondition" in err and "pooling" in err, err
+            continue
+        assert code == 0, (command, err)
+        outputs[rpc], errors[rpc] = out, err
+    generated = json.loads(outputs["Generate"])
+    assert len(generated["samples"]) == 2
+    assert all(re.fullmatch("[a-z]{2,6}-[0-9]", s["output_text"]) for s in generated["samples"])
+    assert json.loads(outputs["Abort"]) == {}
+    assert len(json.loads(outputs["GetLoads"])["ranks"]) == 1
+    tokenizer = _json_messages(outputs["GetTokenizer"])
+    assert len(tokenizer[-1]["sha256"]) == 64 and tokenizer[-1]["file_count"] >= 4
+    listed = json.loads(outputs["ListLoraAdapters"])["adapters"]
+    assert {"name": "my-lora", "path": str(tiny_lora())} in listed
+    after = await real.stub.ListLoraAdapters(pb.ListLoraAdaptersRequest())
+    assert "my-lora" not in [a.name for a in after.adapters]  # unloaded by the last line
+
+
+def _substitute(arg: str, substitutions: dict[str, str]) -> str:
+    for old, new in substitutions.items():
+        arg = arg.replace(old, new)
+    return arg

@@ -8,21 +8,14 @@ to vLLM's `/v1/completions` (token-id prompt, `return_token_ids`) and to our
 from __future__ import annotations
 
 import asyncio
-import json
-import socket
-import subprocess
-import sys
-import time
-import urllib.error
-import urllib.request
-from collections.abc import Iterator
 
 import pytest
 
 from vllm_router.proto import vllm_engine_pb2 as pb
 
 from harness import Harness, request
-from real_engine import MAX_MODEL_LEN, cli_flags, require_vllm, tiny_model
+from real_engine import MAX_MODEL_LEN
+from vllm_servers import post
 
 pytestmark = pytest.mark.vllm
 
@@ -96,71 +89,6 @@ CASES: dict[str, tuple[object, dict[str, object]]] = {
 }
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _post(url: str, body: dict) -> dict:
-    request = urllib.request.Request(
-        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=120) as response:
-            return json.loads(response.read())
-    except urllib.error.HTTPError as exc:
-        raise AssertionError(f"vLLM answered {exc.code}: {exc.read()[:500]!r}") from exc
-
-
-@pytest.fixture(scope="module")
-def vllm_http() -> Iterator[str]:
-    """vLLM's OpenAI server as a subprocess, same model and engine flags as `real`."""
-    require_vllm()
-    model = tiny_model()
-    port = _free_port()
-    log = open(model.parent / "vllm-openai-server.log", "w")
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "vllm.entrypoints.openai.api_server",
-            "--model",
-            str(model),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            *cli_flags(),
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            if process.poll() is not None:
-                raise AssertionError(f"vLLM's server exited: see {log.name}")
-            try:
-                with urllib.request.urlopen(base + "/health", timeout=2) as response:
-                    if response.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                raise AssertionError(f"vLLM's server did not start in 300 s: see {log.name}")
-            time.sleep(1)
-        yield base
-    finally:
-        process.terminate()
-        try:
-            process.wait(30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-        log.close()
-
-
 async def _resolve(real: Harness, prompt: object, sampling: dict) -> tuple[list[int], dict]:
     sampling = dict(sampling)
     if prompt == "EOS":
@@ -195,7 +123,7 @@ async def test_parity_with_vllm_openai_server(real: Harness, vllm_http: str) -> 
             "return_tokens_as_token_ids": True,
             **sampling,
         }
-        theirs = (await asyncio.to_thread(_post, vllm_http + "/v1/completions", body))["choices"][0]
+        theirs = (await asyncio.to_thread(post, vllm_http + "/v1/completions", body))["choices"][0]
         finish_reasons.add(theirs["finish_reason"])
         problems = [] if theirs["token_ids"] else ["vLLM returned no token ids"]
         if list(ours.output_token_ids) != theirs["token_ids"]:

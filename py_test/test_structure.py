@@ -17,7 +17,12 @@ LAYERS = [
     {"vllm_router", "vllm_router.errors", "vllm_router.proto", "vllm_router.dataclass_flags"},
     {"vllm_router.engine"},
     {"vllm_router.serving", "vllm_router.testing"},
-    {"vllm_router.rpc", "vllm_router.convert", "vllm_router.vllm_servicer"},
+    {
+        "vllm_router.rpc",
+        "vllm_router.convert",
+        "vllm_router.responses",
+        "vllm_router.vllm_servicer",
+    },
     {"vllm_router.server"},
     {"vllm_router.cli"},
 ]

@@ -18,9 +18,11 @@ from typing import Any
 
 from .dataclass_flags import add_flags, from_args
 from .engine import AsyncEngine
+from .errors import ServicerError
 from .server import ServerConfig, StartupError, preflight, serve
 from .server.config import VLLM_DEFINES
-from .testing.mock_engine import MockAsyncEngine, MockConfig
+from .testing.mock_config import MockConfig
+from .testing.mock_engine import MockAsyncEngine
 
 EXIT_USAGE = 2
 NO_VLLM_MESSAGE = (
@@ -62,6 +64,12 @@ def build_parser(with_vllm: bool) -> argparse.ArgumentParser:
 
         flexible = FlexibleArgumentParser(prog="vllm-servicer", description=description)
         _add_our_flags(flexible, with_vllm=True)
+        flexible.add_argument(
+            "--lora-modules",
+            nargs="+",
+            metavar="NAME=PATH",
+            help="LoRA adapters to load at start (needs --enable-lora), as vLLM's OpenAI server",
+        )
         parser: argparse.ArgumentParser = AsyncEngineArgs.add_cli_args(flexible)
     else:
         parser = argparse.ArgumentParser(
@@ -82,11 +90,26 @@ def build_engine(args: argparse.Namespace) -> AsyncEngine:
     return VllmEngine.from_engine_args(AsyncEngineArgs.from_cli_args(args))
 
 
+async def load_lora_modules(engine: AsyncEngine, specs: list[str] | None) -> None:
+    from .engine.vllm_lora import parse_lora_modules
+
+    try:
+        adapters = parse_lora_modules(specs)
+    except ValueError as exc:
+        raise StartupError(str(exc)) from exc
+    for adapter in adapters:
+        try:
+            await engine.load_lora_adapter(adapter.name, adapter.path)
+        except ServicerError as exc:
+            raise StartupError(f"--lora-modules {adapter.name}: {exc.message}") from exc
+
+
 async def _serve(args: argparse.Namespace) -> int:
     config = from_args(ServerConfig, args)
     preflight(config)
     engine = build_engine(args)
     try:
+        await load_lora_modules(engine, getattr(args, "lora_modules", None))
         return await serve(engine, config)
     except BaseException:
         await engine.shutdown()

@@ -34,8 +34,21 @@ class Unsupported(ServicerError):
     code = grpc.StatusCode.UNIMPLEMENTED
 
 
+class NotFound(ServicerError):
+    """A named thing (a LoRA adapter) that this worker does not have."""
+
+    code = grpc.StatusCode.NOT_FOUND
+
+
+class NotConfigured(ServicerError):
+    """The worker is not set up for this (generation on a pooling model, LoRA without
+    --enable-lora, ...): retrying here fails the same way; another worker may serve it."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
 class DuplicateRequest(ServicerError):
-    """A request id that is already in flight on this worker."""
+    """A request id already in flight on this worker (or a LoRA name already loaded)."""
 
     code = grpc.StatusCode.ALREADY_EXISTS
 

@@ -7,23 +7,31 @@
 from .protocol import AsyncEngine
 from .types import (
     NEUTRAL_DEFAULT,
+    Embedding,
     EngineStep,
     FinishReason,
     GenerationRequest,
     LoadSnapshot,
+    LoraAdapter,
     ModelFacts,
+    RankLoad,
     SamplingOptions,
+    StructuredOutputs,
     TokenLogprob,
 )
 
 __all__ = [
     "NEUTRAL_DEFAULT",
     "AsyncEngine",
+    "Embedding",
     "EngineStep",
     "FinishReason",
     "GenerationRequest",
     "LoadSnapshot",
+    "LoraAdapter",
     "ModelFacts",
+    "RankLoad",
     "SamplingOptions",
+    "StructuredOutputs",
     "TokenLogprob",
 ]

@@ -5,7 +5,15 @@ from __future__ import annotations
 from collections.abc import AsyncGenerator
 from typing import Protocol, runtime_checkable
 
-from .types import EngineStep, GenerationRequest, LoadSnapshot, ModelFacts
+from .types import (
+    Embedding,
+    EngineStep,
+    GenerationRequest,
+    LoadSnapshot,
+    LoraAdapter,
+    ModelFacts,
+    RankLoad,
+)
 
 
 @runtime_checkable
@@ -45,6 +53,26 @@ class AsyncEngine(Protocol):
 
     async def reset_prefix_cache(self) -> bool: ...
 
-    def load(self) -> LoadSnapshot: ...
+    def load(self) -> LoadSnapshot:
+        """All ranks together: for the WorkerMetrics that ride on responses."""
+        ...
+
+    def loads(self) -> list[RankLoad]:
+        """Per data-parallel rank, in rank order."""
+        ...
+
+    async def embed(self, request_id: str, prompt_token_ids: list[int]) -> Embedding:
+        """The pooled embedding of a prompt (pooling models only)."""
+        ...
+
+    async def tokenizer_files(self) -> list[tuple[str, bytes]]:
+        """(file name, bytes) of every tokenizer-related file the engine loaded."""
+        ...
+
+    async def list_lora_adapters(self) -> list[LoraAdapter]: ...
+
+    async def load_lora_adapter(self, name: str, path: str) -> None: ...
+
+    async def unload_lora_adapter(self, name: str) -> None: ...
 
     async def shutdown(self) -> None: ...

@@ -7,6 +7,7 @@ field, and a test fails when a contract field has no counterpart here.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -21,6 +22,21 @@ NEUTRAL_DEFAULT = "neutral_default"
 
 def _model_default(neutral: float) -> Any:
     return field(default=None, metadata={NEUTRAL_DEFAULT: neutral})
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutputs:
+    """One output constraint (exactly one of the first six), as vLLM's StructuredOutputsParams."""
+
+    json: str | None = None  # a JSON Schema, as text
+    regex: str | None = None
+    grammar: str | None = None
+    choice: tuple[str, ...] | None = None
+    json_object: bool | None = None
+    structural_tag: str | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +60,12 @@ class SamplingOptions:
     stop_token_ids: tuple[int, ...] = ()
     # Most likely alternatives returned with each token's logprob; None: no logprobs.
     logprobs: int | None = None
+    n: int | None = None
+    logit_bias: Mapping[int, float] | None = None
+    allowed_token_ids: tuple[int, ...] = ()
+    bad_words: tuple[str, ...] = ()
+    prompt_logprobs: int | None = None
+    structured_outputs: StructuredOutputs | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +82,10 @@ class GenerationRequest:
     sampling: SamplingOptions = field(default_factory=SamplingOptions)
     dp_rank: int | None = None
     detokenize: bool = True
+    lora_name: str | None = None  # None: the base model
+    priority: int = 0
+    # W3C trace context (traceparent, tracestate) for the engine's spans.
+    trace_headers: Mapping[str, str] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +112,11 @@ class EngineStep:
     completion_tokens: int = 0  # cumulative
     cached_tokens: int = 0
     logprobs: list[TokenLogprob] | None = None
+    # Which of the request's n samples this step belongs to.
+    index: int = 0
+    # On the first step of sample 0, when asked for: one entry per prompt token
+    # (the first has logprob NaN: nothing precedes it).
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +130,38 @@ class ModelFacts:
     eos_token_ids: tuple[int, ...]
     engine: str
     engine_version: str
+    max_num_seqs: int = 0
+    bos_token_id: int | None = None
+    pad_token_id: int | None = None
+    architectures: tuple[str, ...] = ()
+    is_generation: bool = True
+    # Generation-config values applied to unset sampling fields.
+    default_sampling_params: Mapping[str, Any] = field(default_factory=dict)
+    supports_priority: bool = False  # --scheduling-policy priority
+    supports_lora: bool = False  # --enable-lora
+
+
+@dataclass(frozen=True, slots=True)
+class RankLoad:
+    """One data-parallel rank's scheduler figures, and when they were taken (unix time)."""
+
+    dp_rank: int
+    running_requests: int
+    waiting_requests: int
+    kv_cache_usage: float  # fraction, 0..1
+    measured_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class Embedding:
+    values: list[float]
+    prompt_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class LoraAdapter:
+    name: str
+    path: str
 
 
 @dataclass(frozen=True, slots=True)

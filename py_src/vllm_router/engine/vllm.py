@@ -1,18 +1,32 @@
-"""Adapter from vLLM's v1 AsyncLLM to the engine protocol, and the load board it feeds.
+"""Adapter from vLLM's v1 AsyncLLM to the engine protocol.
 
 vLLM is imported lazily: importing this module is cheap and works without vLLM.
+Conversions live in vllm_params.py, load figures in vllm_stats.py, LoRA names in
+vllm_lora.py.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncGenerator
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import EngineUnavailable
-from .types import EngineStep, GenerationRequest, LoadSnapshot, ModelFacts
-from .vllm_params import build_sampling_params, convert_logprobs, reraise
+from .types import (
+    Embedding,
+    EngineStep,
+    GenerationRequest,
+    LoadSnapshot,
+    LoraAdapter,
+    ModelFacts,
+    RankLoad,
+)
+from .vllm_lora import LoraRegistry
+from .vllm_params import build_sampling_params, convert_logprobs, convert_prompt_logprobs, reraise
+from .vllm_stats import LoadBoard
 
 if TYPE_CHECKING:
     from vllm.engine.arg_utils import AsyncEngineArgs
@@ -20,84 +34,76 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+# What GetTokenizer sends, when the model directory has it.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
+)
 
-class LoadBoard:
-    """Latest scheduler statistics, written by a vLLM stat logger every engine step."""
 
-    def __init__(self) -> None:
-        self._per_engine: dict[int, LoadSnapshot] = {}
-        self.snapshot = LoadSnapshot()
+def _read_tokenizer_files(tokenizer: str) -> list[tuple[str, bytes]]:
+    source = Path(tokenizer)
+    if not source.is_dir():  # a hub id: the files are in the local hub cache
+        from huggingface_hub import snapshot_download
 
-    def update(self, engine_index: int, running: int, waiting: int, kv_usage: float) -> None:
-        self._per_engine[engine_index] = LoadSnapshot(running, waiting, kv_usage)
-        snaps = self._per_engine.values()
-        self.snapshot = LoadSnapshot(
-            running_requests=sum(s.running_requests for s in snaps),
-            waiting_requests=sum(s.waiting_requests for s in snaps),
-            kv_cache_usage=max(s.kv_cache_usage for s in snaps),
-        )
+        source = Path(snapshot_download(tokenizer, local_files_only=True))
+    return [(name, (source / name).read_bytes()) for name in TOKENIZER_FILES
+            if (source / name).is_file()]  # fmt: skip
 
-    def stat_logger_factory(self) -> Any:
-        from vllm.v1.metrics.loggers import StatLoggerBase
 
-        board = self
+def _model_facts(llm: AsyncLLM, model_defaults: dict[str, Any]) -> ModelFacts:
+    import vllm
 
-        class LoadStatLogger(StatLoggerBase):
-            def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
-                self.engine_index = engine_index
-
-            def record(
-                self,
-                scheduler_stats: Any,
-                iteration_stats: Any,
-                mm_cache_stats: Any = None,
-                engine_idx: int = 0,
-            ) -> None:
-                if scheduler_stats is not None:
-                    board.update(
-                        engine_idx,
-                        scheduler_stats.num_running_reqs,
-                        scheduler_stats.num_waiting_reqs + scheduler_stats.num_skipped_waiting_reqs,
-                        scheduler_stats.kv_cache_usage,
-                    )
-
-            def log_engine_initialized(self) -> None:
-                pass
-
-        return LoadStatLogger
+    vllm_config = llm.vllm_config
+    model_config = vllm_config.model_config
+    tokenizer = llm.get_tokenizer() if not model_config.skip_tokenizer_init else None
+    eos_ids = set()
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        eos_ids.add(tokenizer.eos_token_id)
+    generation_eos = model_config.try_get_generation_config().get("eos_token_id")
+    if generation_eos is not None:
+        eos_ids.update([generation_eos] if isinstance(generation_eos, int) else generation_eos)
+    served = model_config.served_model_name or model_config.model
+    return ModelFacts(
+        model_name=model_config.model,
+        served_model_name=served if isinstance(served, str) else served[0],
+        max_model_len=model_config.max_model_len,
+        vocab_size=model_config.get_vocab_size(),
+        dp_size=vllm_config.parallel_config.data_parallel_size,
+        block_size=vllm_config.cache_config.block_size,
+        eos_token_ids=tuple(sorted(eos_ids)),
+        engine="vllm",
+        engine_version=vllm.__version__,
+        max_num_seqs=vllm_config.scheduler_config.max_num_seqs,
+        bos_token_id=getattr(tokenizer, "bos_token_id", None),
+        pad_token_id=getattr(tokenizer, "pad_token_id", None),
+        architectures=tuple(model_config.architectures or ()),
+        is_generation=model_config.runner_type == "generate",
+        default_sampling_params=model_defaults,
+        supports_priority=vllm_config.scheduler_config.policy == "priority",
+        supports_lora=vllm_config.lora_config is not None,
+    )
 
 
 class VllmEngine:
     """The engine protocol over a running vLLM AsyncLLM."""
 
     def __init__(self, llm: AsyncLLM, board: LoadBoard) -> None:
-        import vllm
-
         self._llm = llm
         self._board = board
-        vllm_config = llm.vllm_config
-        model_config = vllm_config.model_config
+        model_config = llm.vllm_config.model_config
         self._max_model_len = model_config.max_model_len
         self._model_defaults = model_config.get_diff_sampling_param()
-        tokenizer = llm.get_tokenizer() if not model_config.skip_tokenizer_init else None
-        eos_ids = set()
-        if tokenizer is not None and tokenizer.eos_token_id is not None:
-            eos_ids.add(tokenizer.eos_token_id)
-        generation_eos = model_config.try_get_generation_config().get("eos_token_id")
-        if generation_eos is not None:
-            eos_ids.update([generation_eos] if isinstance(generation_eos, int) else generation_eos)
-        served = model_config.served_model_name or model_config.model
-        self._facts = ModelFacts(
-            model_name=model_config.model,
-            served_model_name=served if isinstance(served, str) else served[0],
-            max_model_len=model_config.max_model_len,
-            vocab_size=model_config.get_vocab_size(),
-            dp_size=vllm_config.parallel_config.data_parallel_size,
-            block_size=vllm_config.cache_config.block_size,
-            eos_token_ids=tuple(sorted(eos_ids)),
-            engine="vllm",
-            engine_version=vllm.__version__,
-        )
+        self._facts = _model_facts(llm, self._model_defaults)
+        self._loras = LoraRegistry(llm, self._facts.supports_lora)
         if self._model_defaults:
             logger.info(
                 "Model generation-config defaults for unset fields: %s", self._model_defaults
@@ -109,13 +115,13 @@ class VllmEngine:
         from vllm.usage.usage_lib import UsageContext
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        board = LoadBoard()
         if engine_args.disable_log_stats:
             logger.warning(
                 "--disable-log-stats also stops the scheduler statistics behind "
-                "WorkerMetrics; keeping stats on"
+                "WorkerMetrics and GetLoads; keeping stats on"
             )
         vllm_config = engine_args.create_engine_config(UsageContext.OPENAI_API_SERVER)
+        board = LoadBoard(vllm_config.parallel_config.data_parallel_size)
         llm = AsyncLLM.from_vllm_config(
             vllm_config,
             usage_context=UsageContext.OPENAI_API_SERVER,
@@ -140,6 +146,9 @@ class VllmEngine:
     def load(self) -> LoadSnapshot:
         return self._board.snapshot
 
+    def loads(self) -> list[RankLoad]:
+        return self._board.ranks()
+
     async def check_health(self) -> None:
         try:
             await self._llm.check_health()
@@ -161,6 +170,18 @@ class VllmEngine:
     async def shutdown(self) -> None:
         self._llm.shutdown()
 
+    async def list_lora_adapters(self) -> list[LoraAdapter]:
+        return self._loras.adapters()
+
+    async def load_lora_adapter(self, name: str, path: str) -> None:
+        await self._loras.load(name, path)
+
+    async def unload_lora_adapter(self, name: str) -> None:
+        await self._loras.unload(name)
+
+    async def tokenizer_files(self) -> list[tuple[str, bytes]]:
+        return await asyncio.to_thread(_read_tokenizer_files, self._llm.model_config.tokenizer)
+
     async def tokenize(self, text: str) -> list[int]:
         """Tokenized as vLLM's completions server does (special tokens added)."""
         renderer = self._llm.renderer
@@ -171,6 +192,24 @@ class VllmEngine:
         except Exception as exc:
             reraise(exc)
         return list(prompt["prompt_token_ids"])  # type: ignore[typeddict-item]
+
+    async def embed(self, request_id: str, prompt_token_ids: list[int]) -> Embedding:
+        from vllm.pooling_params import PoolingParams
+
+        prompt = self._llm.renderer.process_for_engine(
+            {"prompt_token_ids": prompt_token_ids}, arrival_time=time.time()
+        )
+        outputs = self._llm.encode(prompt, PoolingParams(task="embed"), request_id)
+        try:
+            async for out in outputs:
+                if out.finished:
+                    values = out.outputs.data.tolist()
+                    return Embedding(values, len(out.prompt_token_ids or prompt_token_ids))
+        except Exception as exc:
+            reraise(exc)
+        finally:
+            await outputs.aclose()
+        raise EngineUnavailable("the engine ended the embedding request without a result")
 
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[EngineStep, None]:
         ids = request.prompt_token_ids
@@ -187,6 +226,7 @@ class VllmEngine:
             )
         except Exception as exc:
             reraise(exc)
+        lora = self._loras.request_for(request.lora_name)
         # Rendered as vLLM's own completions server does: no tokenizer work and no
         # thread-pool hop for a prompt that is already token ids.
         prompt = self._llm.renderer.process_for_engine(
@@ -194,10 +234,18 @@ class VllmEngine:
         )
         num_top = options.logprobs if options.logprobs is not None and options.logprobs > 0 else 0
         want_logprobs = options.logprobs is not None
-        produced = 0
-        last_token: int | None = None
+        samples = params.n
+        produced = [0] * samples
+        last_token: list[int | None] = [None] * samples
+        prompt_top = options.prompt_logprobs
         outputs = self._llm.generate(
-            prompt, params, request.request_id, data_parallel_rank=request.dp_rank
+            prompt,
+            params,
+            request.request_id,
+            data_parallel_rank=request.dp_rank,
+            lora_request=lora,
+            priority=request.priority,
+            trace_headers=request.trace_headers,
         )
         try:
             while True:
@@ -209,27 +257,35 @@ class VllmEngine:
                     return
                 except Exception as exc:
                     reraise(exc)
-                completion = out.outputs[0]
-                token_ids = list(completion.token_ids)
-                produced += len(token_ids)
-                if token_ids:
-                    last_token = token_ids[-1]
-                stop_reason = completion.stop_reason
-                if completion.finish_reason == "stop" and stop_reason is None:
-                    stop_reason = last_token  # EOS: report the EOS id that ended it
-                yield EngineStep(
-                    token_ids=token_ids,
-                    text=completion.text,
-                    finished=out.finished,
-                    finish_reason=completion.finish_reason,  # type: ignore[arg-type]
-                    stop_reason=stop_reason,
-                    prompt_tokens=len(out.prompt_token_ids or ()),
-                    completion_tokens=produced,
-                    cached_tokens=out.num_cached_tokens or 0,
-                    logprobs=convert_logprobs(token_ids, completion.logprobs, num_top)
-                    if want_logprobs
-                    else None,
-                )
+                for completion in out.outputs:
+                    index = completion.index
+                    token_ids = list(completion.token_ids)
+                    produced[index] += len(token_ids)
+                    if token_ids:
+                        last_token[index] = token_ids[-1]
+                    stop_reason = completion.stop_reason
+                    if completion.finish_reason == "stop" and stop_reason is None:
+                        stop_reason = last_token[index]  # EOS: report the EOS id that ended it
+                    step = EngineStep(
+                        token_ids=token_ids,
+                        text=completion.text,
+                        finished=completion.finish_reason is not None,
+                        finish_reason=completion.finish_reason,  # type: ignore[arg-type]
+                        stop_reason=stop_reason,
+                        prompt_tokens=len(out.prompt_token_ids or ()),
+                        completion_tokens=produced[index],
+                        cached_tokens=out.num_cached_tokens or 0,
+                        logprobs=convert_logprobs(token_ids, completion.logprobs, num_top)
+                        if want_logprobs
+                        else None,
+                        index=index,
+                    )
+                    if prompt_top is not None and index == 0 and out.prompt_logprobs:
+                        step.prompt_logprobs = convert_prompt_logprobs(
+                            ids, out.prompt_logprobs, prompt_top
+                        )
+                        prompt_top = None
+                    yield step
         finally:
             # Closing vLLM's generator early aborts the request inside the engine.
             await outputs.aclose()

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from ..errors import EngineUnavailable, InvalidRequest, Overloaded
-from .types import NEUTRAL_DEFAULT, SamplingOptions, TokenLogprob
+from .types import NEUTRAL_DEFAULT, SamplingOptions, StructuredOutputs, TokenLogprob
 
 if TYPE_CHECKING:
     from vllm.sampling_params import SamplingParams
@@ -23,7 +23,7 @@ _MODEL_DEFAULTED = {
     if NEUTRAL_DEFAULT in f.metadata
 }
 # Fields built below rather than passed through by name.
-_BUILT = {"max_tokens", "stop", "stop_token_ids"}
+_BUILT = {"max_tokens", "stop", "stop_token_ids", "structured_outputs"}
 # Everything else passes through by name when set; unset ones take vLLM's own defaults.
 _PASSED_THROUGH = tuple(
     f.name
@@ -55,7 +55,10 @@ def build_sampling_params(
     }  # fmt: skip
     for name in _PASSED_THROUGH:
         value = getattr(options, name)
-        if value is not None:
+        if isinstance(value, tuple):
+            if value:
+                values[name] = list(value)
+        elif value is not None:
             values[name] = value
     max_tokens = options.max_tokens
     if max_tokens is None:
@@ -72,9 +75,22 @@ def build_sampling_params(
         stop=list(options.stop),
         stop_token_ids=stop_token_ids,
         detokenize=detokenize,
+        structured_outputs=structured_outputs_params(options.structured_outputs),
         output_kind=RequestOutputKind.DELTA,
         skip_clone=True,
     )
+
+
+def structured_outputs_params(constraint: StructuredOutputs | None) -> Any:
+    """vLLM's StructuredOutputsParams for a constraint (same field names)."""
+    if constraint is None:
+        return None
+    from vllm.sampling_params import StructuredOutputsParams
+
+    values = dataclasses.asdict(constraint)
+    if constraint.choice is not None:
+        values["choice"] = list(constraint.choice)
+    return StructuredOutputsParams(**values)
 
 
 def convert_logprobs(token_ids: list[int], positions: Any, num_top: int) -> list[TokenLogprob]:
@@ -95,6 +111,14 @@ def convert_logprobs(token_ids: list[int], positions: Any, num_top: int) -> list
             )
         )
     return entries
+
+
+def convert_prompt_logprobs(
+    prompt_ids: list[int], positions: Any, num_top: int
+) -> list[TokenLogprob]:
+    """vLLM's prompt logprobs (None for the first position) -> one entry per prompt token."""
+    entries = convert_logprobs(prompt_ids[1:], list(positions or ())[1:], num_top)
+    return [TokenLogprob(prompt_ids[0], math.nan), *entries] if prompt_ids else []
 
 
 def translate_error(exc: Exception) -> Exception:

@@ -14,8 +14,8 @@ import dataclasses
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator
 
-from ..engine import AsyncEngine, EngineStep, GenerationRequest
-from ..errors import DuplicateRequest, EngineUnavailable, Overloaded
+from ..engine import AsyncEngine, Embedding, EngineStep, GenerationRequest
+from ..errors import DuplicateRequest, EngineUnavailable, NotConfigured, Overloaded
 from .health import ServingState
 from .prompts import check_prompt
 
@@ -30,19 +30,14 @@ SHUT_DOWN = (
 class Flight:
     """One admitted request: its engine steps and what the watchdog needs to know."""
 
-    __slots__ = ("request", "sending_since", "shut_down", "steps", "task")
+    __slots__ = ("request_id", "sending_since", "shut_down", "task")
 
-    def __init__(self, request: GenerationRequest, steps: AsyncGenerator[EngineStep, None]):
-        self.request = request
-        self.steps = steps
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
         self.task = asyncio.current_task()
         # Loop time since which a message has been waiting for the client to take it.
         self.sending_since: float | None = None
         self.shut_down = False
-
-    @property
-    def request_id(self) -> str:
-        return self.request.request_id
 
     def check_finished(self, step: EngineStep) -> None:
         """Call on the finished step: an abort by the drain is UNAVAILABLE, not an answer."""
@@ -78,15 +73,64 @@ class RequestTable:
         return self._state.draining
 
     @contextlib.asynccontextmanager
-    async def run(self, request: GenerationRequest) -> AsyncIterator[Flight]:
-        """Admit `request`, start it in the engine and yield its Flight.
+    async def run(
+        self, request: GenerationRequest
+    ) -> AsyncIterator[tuple[Flight, AsyncGenerator[EngineStep, None]]]:
+        """Admit `request`, start it in the engine and yield its Flight and engine steps.
 
         Leaving the block (finished, cancelled, failed) closes the engine's
         iterator, which aborts the request in the engine if it is still running.
         """
+        if not self._engine.facts.is_generation:
+            raise NotConfigured(
+                "this worker serves a pooling (embedding) model: use Embed, not generation"
+            )
         await self._state.require_serving()
         request = await self._with_checked_prompt(request)
-        request_id = request.request_id
+        async with self._admitted(request.request_id) as flight:
+            if self._log_requests:
+                logger.info(
+                    "request %s: %d prompt tokens, n=%s, dp_rank=%s, lora=%s",
+                    request.request_id,
+                    len(request.prompt_token_ids or ()),
+                    request.sampling.n or 1,
+                    request.dp_rank,
+                    request.lora_name,
+                )
+            steps = self._engine.generate(request)
+            try:
+                yield flight, steps
+            finally:
+                await steps.aclose()
+
+    async def embed(self, request_id: str, prompt_token_ids: list[int]) -> Embedding:
+        """Admit an embedding request (same id space, limits and drain) and run it."""
+        if self._engine.facts.is_generation:
+            raise NotConfigured(
+                "this worker serves a generation model: Embed needs a pooling model "
+                "(start the engine with --runner pooling, or --convert embed)"
+            )
+        await self._state.require_serving()
+        check_prompt(
+            prompt_token_ids,
+            None,
+            self._engine.facts,
+            max_prompt_tokens=self._max_prompt_tokens,
+        )
+        async with self._admitted(request_id):
+            return await self._engine.embed(request_id, prompt_token_ids)
+
+    async def abort(self, request_ids: list[str]) -> list[str]:
+        """Abort those of `request_ids` in flight (every sample); returns which they were."""
+        aborted = []
+        for request_id in dict.fromkeys(request_ids):
+            if request_id in self._flights:
+                await self._engine.abort(request_id)
+                aborted.append(request_id)
+        return aborted
+
+    @contextlib.asynccontextmanager
+    async def _admitted(self, request_id: str) -> AsyncIterator[Flight]:
         if request_id in self._flights:
             raise DuplicateRequest(f"request_id {request_id!r} is already in flight on this worker")
         if self._max_concurrent and len(self._flights) >= self._max_concurrent:
@@ -94,20 +138,12 @@ class RequestTable:
                 f"this worker already runs {len(self._flights)} requests "
                 f"(--max-concurrent-streams {self._max_concurrent}); retry on another worker"
             )
-        flight = Flight(request, self._engine.generate(request))
+        flight = Flight(request_id)
         self._flights[request_id] = flight
         self._idle.clear()
-        if self._log_requests:
-            logger.info(
-                "request %s: %d prompt tokens, dp_rank=%s",
-                request_id,
-                len(request.prompt_token_ids or ()),
-                request.dp_rank,
-            )
         try:
             yield flight
         finally:
-            await flight.steps.aclose()
             del self._flights[request_id]
             if not self._flights:
                 self._idle.set()

@@ -7,6 +7,9 @@ Behaviour is deterministic so tests can state exact expectations:
 - a token's text is " <id>" (so the text of [5, 17] is " 5 17");
 - text is "tokenized" as its UTF-8 bytes mod vocab_size, with no special tokens;
 - each step emits up to `tokens_per_step` tokens, `step_delay` seconds apart;
+- n samples, logit_bias of +100 / -100 and the `choice` constraint work as
+  mock_decode.py says; other new sampling fields, LoRA, embeddings and tokenizer
+  files are UNIMPLEMENTED (the message names the mock);
 - at most `max_num_seqs` requests run at once, the rest wait (visible in load());
 - a logprob is -0.5 for the sampled token and the j-th alternative is (id + j, -0.5 - j).
 Where it intentionally differs from vLLM: it checks only the sampling rules a
@@ -18,36 +21,28 @@ seen, cache usage is tokens held / kv_cache_tokens), and never preempts.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import deque
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 
 from .. import __version__
-from ..engine import EngineStep, GenerationRequest, LoadSnapshot, ModelFacts
+from ..engine import (
+    Embedding,
+    EngineStep,
+    GenerationRequest,
+    LoadSnapshot,
+    LoraAdapter,
+    ModelFacts,
+    RankLoad,
+)
 from ..engine.types import FinishReason
-from ..errors import EngineUnavailable, InvalidRequest
-from .mock_sampling import mock_logprobs, mock_token_text, validate_sampling
-from .stop_strings import StopStringMatcher
+from ..errors import EngineUnavailable, InvalidRequest, Unsupported
+from .mock_config import MockConfig
+from .mock_decode import SampleDecoder, check_supported
+from .mock_sampling import mock_logprobs, validate_sampling
 
-
-@dataclass(frozen=True)
-class MockConfig:
-    """The mock's settings; `vllm-servicer --mock-<name>` flags are derived from these fields."""
-
-    model_name: str = field(default="mock-model", metadata={"help": "served model name"})
-    vocab_size: int = 32000
-    max_model_len: int = 4096
-    eos_token_id: int = 2
-    tokens_per_step: int = field(default=1, metadata={"help": "tokens each engine step makes"})
-    step_delay: float = field(default=0.0, metadata={"help": "seconds between engine steps"})
-    max_num_seqs: int = field(default=256, metadata={"help": "requests running at once"})
-    block_size: int = 16
-    kv_cache_tokens: int = 262144
-    dp_size: int = 1
-    die_after_tokens: int = field(
-        default=0,
-        metadata={"help": "fault injection: the engine dies after this many tokens (0: never)"},
-    )
+NO_LORA = "the mock engine has no LoRA adapters"
 
 
 @dataclass
@@ -78,6 +73,7 @@ class MockAsyncEngine:
             eos_token_ids=(config.eos_token_id,),
             engine="mock",
             engine_version=__version__,
+            max_num_seqs=config.max_num_seqs,
         )
         self._slots = asyncio.Semaphore(config.max_num_seqs)
         self._requests: dict[str, _Request] = {}
@@ -132,9 +128,35 @@ class MockAsyncEngine:
         for request_id in list(self._requests):
             await self.abort(request_id)
 
+    def loads(self) -> list[RankLoad]:
+        load = self.load()
+        return [
+            RankLoad(
+                0, load.running_requests, load.waiting_requests, load.kv_cache_usage, time.time()
+            )
+        ]
+
+    async def embed(self, request_id: str, prompt_token_ids: list[int]) -> Embedding:
+        raise Unsupported("the mock engine serves no pooling model (no embeddings)")
+
+    async def tokenizer_files(self) -> list[tuple[str, bytes]]:
+        raise Unsupported("the mock engine has no tokenizer files (it tokenizes UTF-8 bytes)")
+
+    async def list_lora_adapters(self) -> list[LoraAdapter]:
+        raise Unsupported(NO_LORA)
+
+    async def load_lora_adapter(self, name: str, path: str) -> None:
+        raise Unsupported(NO_LORA)
+
+    async def unload_lora_adapter(self, name: str) -> None:
+        raise Unsupported(NO_LORA)
+
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[EngineStep, None]:
         await self.check_health()
         validate_sampling(request.sampling, request.detokenize)
+        check_supported(request.sampling)
+        if request.lora_name is not None:
+            raise Unsupported(NO_LORA)
         if request.prompt_token_ids is None:
             raise ValueError("MockAsyncEngine.generate needs prompt_token_ids")
         if request.request_id in self._requests:
@@ -210,47 +232,31 @@ class MockAsyncEngine:
             raise EngineUnavailable(f"engine is dead: {self._dead}")
 
     async def _decode(self, state: _Request) -> AsyncGenerator[EngineStep, None]:
-        facts = self._facts
-        s = state.request.sampling
-        prompt = state.prompt
-        max_tokens = s.max_tokens if s.max_tokens is not None else facts.max_model_len - len(prompt)
-        stop_ids = set(s.stop_token_ids)
-        detokenize = state.request.detokenize
-        cached = self._cached_prefix(prompt)
-        matcher = StopStringMatcher(s.stop, bool(s.include_stop_str_in_output))
-        eos = self.config.eos_token_id
-        next_token = (prompt[-1] + 1) % facts.vocab_size
-        while True:
+        request = state.request
+        s = request.sampling
+        cached = self._cached_prefix(state.prompt)
+        active = [
+            SampleDecoder(
+                i, state.prompt, s, self._facts, self.config.eos_token_id, request.detokenize
+            )
+            for i in range(s.n or 1)
+        ]
+        while active:
             if self._dead is not None:
                 raise EngineUnavailable(f"engine is dead: {self._dead}")
             if state.aborted:
-                yield self._step(state, [], "", "abort", None, cached)
+                for sample in active:
+                    yield self._step(state, sample, [], "", "abort", None, cached)
                 return
-            new_ids: list[int] = []
-            pieces: list[str] = []
-            finish: FinishReason | None = None
-            stop_reason: int | str | None = None
-            for _ in range(self.config.tokens_per_step):
-                token = next_token
-                next_token = (next_token + 1) % facts.vocab_size
-                new_ids.append(token)
-                state.generated += 1
-                self._die_if_due()
-                eligible = state.generated > (s.min_tokens or 0)
-                if eligible and (token in stop_ids or (token == eos and not s.ignore_eos)):
-                    finish, stop_reason = "stop", token
-                elif detokenize and not (token == eos and s.skip_special_tokens is not False):
-                    text, matched = matcher.feed(mock_token_text(token), may_stop=eligible)
-                    pieces.append(text)
-                    if matched is not None:
-                        finish, stop_reason = "stop", matched
-                if finish is None and state.generated >= max_tokens:
-                    finish = "length"
+            for sample in list(active):
+                new_ids, text, finish, stop_reason = sample.step(
+                    self.config.tokens_per_step, self._die_if_due
+                )
+                state.generated += len(new_ids)
+                yield self._step(state, sample, new_ids, text, finish, stop_reason, cached)
                 if finish is not None:
-                    pieces.append(matcher.flush())
-                    break
-            yield self._step(state, new_ids, "".join(pieces), finish, stop_reason, cached)
-            if finish is not None:
+                    active.remove(sample)
+            if not active:
                 return
             if self.config.step_delay > 0:
                 try:
@@ -263,6 +269,7 @@ class MockAsyncEngine:
     def _step(
         self,
         state: _Request,
+        sample: SampleDecoder,
         token_ids: list[int],
         text: str,
         finish: FinishReason | None,
@@ -270,7 +277,6 @@ class MockAsyncEngine:
         cached: int,
     ) -> EngineStep:
         k = state.request.sampling.logprobs
-        logprobs = None if k is None else mock_logprobs(token_ids, k, self._facts.vocab_size)
         return EngineStep(
             token_ids=token_ids,
             text=text,
@@ -278,7 +284,8 @@ class MockAsyncEngine:
             finish_reason=finish,
             stop_reason=stop_reason,
             prompt_tokens=len(state.prompt),
-            completion_tokens=state.generated,
+            completion_tokens=sample.generated,
             cached_tokens=cached,
-            logprobs=logprobs,
+            logprobs=None if k is None else mock_logprobs(token_ids, k, self._facts.vocab_size),
+            index=sample.index,
         )

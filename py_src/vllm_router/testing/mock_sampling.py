@@ -58,6 +58,8 @@ def validate_sampling(s: SamplingOptions, detokenize: bool) -> None:
             f"min_tokens must be less than or equal to max_tokens={s.max_tokens}, "
             f"got {s.min_tokens}.",
         )
+    if s.n is not None:
+        check(s.n >= 1, f"n must be at least 1, got {s.n}.")
     if s.logprobs is not None:
         check(
             0 <= s.logprobs <= MAX_LOGPROBS,  # -1 (whole vocabulary) is past the limit too

@@ -1,0 +1,61 @@
+"""The load board: the scheduler's latest figures per data-parallel rank, fed by vLLM.
+
+A vLLM stat logger (`StatLoggerBase`) records every engine step; the board keeps
+each rank's latest figures and when they arrived, so loads are right while idle too.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from .types import LoadSnapshot, RankLoad
+
+
+class LoadBoard:
+    def __init__(self, dp_size: int = 1) -> None:
+        now = time.time()
+        self._ranks = {rank: RankLoad(rank, 0, 0, 0.0, now) for rank in range(dp_size)}
+        self.snapshot = LoadSnapshot()
+
+    def update(self, engine_index: int, running: int, waiting: int, kv_usage: float) -> None:
+        self._ranks[engine_index] = RankLoad(engine_index, running, waiting, kv_usage, time.time())
+        ranks = self._ranks.values()
+        # A new object per step: readers cache what they build from it by identity.
+        self.snapshot = LoadSnapshot(
+            running_requests=sum(r.running_requests for r in ranks),
+            waiting_requests=sum(r.waiting_requests for r in ranks),
+            kv_cache_usage=max(r.kv_cache_usage for r in ranks),
+        )
+
+    def ranks(self) -> list[RankLoad]:
+        return [self._ranks[rank] for rank in sorted(self._ranks)]
+
+    def stat_logger_factory(self) -> Any:
+        from vllm.v1.metrics.loggers import StatLoggerBase
+
+        board = self
+
+        class LoadStatLogger(StatLoggerBase):
+            def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+                self.engine_index = engine_index
+
+            def record(
+                self,
+                scheduler_stats: Any,
+                iteration_stats: Any,
+                mm_cache_stats: Any = None,
+                engine_idx: int = 0,
+            ) -> None:
+                if scheduler_stats is not None:
+                    board.update(
+                        engine_idx,
+                        scheduler_stats.num_running_reqs,
+                        scheduler_stats.num_waiting_reqs + scheduler_stats.num_skipped_waiting_reqs,
+                        scheduler_stats.kv_cache_usage,
+                    )
+
+            def log_engine_initialized(self) -> None:
+                pass
+
+        return LoadStatLogger

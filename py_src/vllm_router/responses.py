@@ -1,0 +1,198 @@
+"""The neutral engine types -> vllm.engine.v1 response messages (pure functions)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterator
+
+from .engine import Embedding, EngineStep, LoadSnapshot, LoraAdapter, ModelFacts, RankLoad
+from .engine.types import TokenLogprob
+from .proto import vllm_engine_pb2 as pb
+
+# Tokenizer files are streamed in chunks of at most this many bytes.
+TOKENIZER_CHUNK_BYTES = 1 << 20
+
+
+def worker_metrics(load: LoadSnapshot) -> pb.WorkerMetrics:
+    return pb.WorkerMetrics(
+        running_requests=load.running_requests,
+        waiting_requests=load.waiting_requests,
+        kv_cache_usage_percent=load.kv_cache_usage * 100.0,
+    )
+
+
+def _usage(step: EngineStep) -> pb.Usage:
+    return pb.Usage(
+        prompt_tokens=step.prompt_tokens,
+        completion_tokens=step.completion_tokens,
+        cached_tokens=step.cached_tokens,
+    )
+
+
+def _logprobs(entries: list[TokenLogprob]) -> list[pb.TokenLogprob]:
+    return [
+        pb.TokenLogprob(
+            token_id=e.token_id,
+            logprob=e.logprob,
+            top_logprobs=[pb.TopLogprob(token_id=t, logprob=lp) for t, lp in e.top],
+        )
+        for e in entries
+    ]
+
+
+def _set_matched_stop(
+    message: pb.GenerateStreamResponse | pb.GenerateResponse | pb.Sample, step: EngineStep
+) -> None:
+    if isinstance(step.stop_reason, str):
+        message.stop_str = step.stop_reason
+    elif step.stop_reason is not None:
+        message.stop_token_id = step.stop_reason
+
+
+def stream_message(
+    request_id: str, step: EngineStep, metrics: pb.WorkerMetrics | None
+) -> pb.GenerateStreamResponse:
+    message = pb.GenerateStreamResponse(
+        request_id=request_id,
+        token_ids=step.token_ids,
+        text_delta=step.text,
+        usage=_usage(step),
+        metrics=metrics,
+        index=step.index,
+    )
+    if step.logprobs is not None:
+        message.logprobs.extend(_logprobs(step.logprobs))
+    if step.prompt_logprobs is not None:
+        message.prompt_logprobs.extend(_logprobs(step.prompt_logprobs))
+    if step.finished:
+        message.is_finished = True
+        message.finish_reason = step.finish_reason or ""
+        _set_matched_stop(message, step)
+    return message
+
+
+class _SampleAccumulator:
+    __slots__ = ("last", "logprobs", "text", "token_ids")
+
+    def __init__(self) -> None:
+        self.token_ids: list[int] = []
+        self.text: list[str] = []
+        self.logprobs: list[TokenLogprob] | None = None
+        self.last: EngineStep | None = None
+
+    def add(self, step: EngineStep) -> None:
+        self.token_ids.extend(step.token_ids)
+        if step.text:
+            self.text.append(step.text)
+        if step.logprobs is not None:
+            if self.logprobs is None:
+                self.logprobs = []
+            self.logprobs.extend(step.logprobs)
+        self.last = step
+
+    def fill(self, message: pb.GenerateResponse | pb.Sample) -> None:
+        message.output_token_ids.extend(self.token_ids)
+        message.output_text = "".join(self.text)
+        if self.last is not None:
+            message.finish_reason = self.last.finish_reason or ""
+            _set_matched_stop(message, self.last)
+        if self.logprobs is not None:
+            message.logprobs.extend(_logprobs(self.logprobs))
+
+
+class UnaryAccumulator:
+    """Collects the steps of one request (every sample) into a GenerateResponse."""
+
+    __slots__ = ("_prompt_logprobs", "_samples")
+
+    def __init__(self) -> None:
+        self._samples: dict[int, _SampleAccumulator] = {}
+        self._prompt_logprobs: list[TokenLogprob] | None = None
+
+    def add(self, step: EngineStep) -> None:
+        sample = self._samples.get(step.index)
+        if sample is None:
+            sample = self._samples[step.index] = _SampleAccumulator()
+        sample.add(step)
+        if step.prompt_logprobs is not None:
+            self._prompt_logprobs = step.prompt_logprobs
+
+    def response(self, request_id: str, metrics: pb.WorkerMetrics | None) -> pb.GenerateResponse:
+        message = pb.GenerateResponse(request_id=request_id, metrics=metrics)
+        first = self._samples.get(0)
+        if first is not None:
+            first.fill(message)
+        lasts = [s.last for s in self._samples.values() if s.last is not None]
+        if lasts:
+            message.usage.prompt_tokens = lasts[0].prompt_tokens
+            message.usage.cached_tokens = lasts[0].cached_tokens
+            message.usage.completion_tokens = sum(last.completion_tokens for last in lasts)
+        if len(self._samples) > 1:
+            for index in sorted(self._samples):
+                sample = message.samples.add(index=index)
+                self._samples[index].fill(sample)
+                last = self._samples[index].last
+                sample.completion_tokens = last.completion_tokens if last else 0
+        if self._prompt_logprobs is not None:
+            message.prompt_logprobs.extend(_logprobs(self._prompt_logprobs))
+        return message
+
+
+def model_info(facts: ModelFacts, lora_adapters: list[LoraAdapter]) -> pb.GetModelInfoResponse:
+    return pb.GetModelInfoResponse(
+        model_name=facts.model_name,
+        served_model_name=facts.served_model_name,
+        max_model_len=facts.max_model_len,
+        vocab_size=facts.vocab_size,
+        dp_size=facts.dp_size,
+        block_size=facts.block_size,
+        eos_token_ids=facts.eos_token_ids,
+        engine=facts.engine,
+        engine_version=facts.engine_version,
+        default_sampling_params_json=json.dumps(dict(facts.default_sampling_params)),
+        max_num_seqs=facts.max_num_seqs,
+        bos_token_id=facts.bos_token_id,
+        pad_token_id=facts.pad_token_id,
+        architectures=facts.architectures,
+        is_generation=facts.is_generation,
+        lora_adapters=[adapter.name for adapter in lora_adapters],
+    )
+
+
+def loads(ranks: list[RankLoad], in_flight: int) -> pb.GetLoadsResponse:
+    message = pb.GetLoadsResponse(requests_in_flight=in_flight)
+    for rank in ranks:
+        entry = message.ranks.add(
+            dp_rank=rank.dp_rank,
+            running_requests=rank.running_requests,
+            waiting_requests=rank.waiting_requests,
+            kv_cache_usage_percent=rank.kv_cache_usage * 100.0,
+        )
+        entry.measured_at.FromNanoseconds(int(rank.measured_at * 1e9))
+    return message
+
+
+def tokenizer_chunks(files: list[tuple[str, bytes]]) -> Iterator[pb.GetTokenizerResponse]:
+    """Each file in chunks, then a last message with the digest of the whole (see the proto)."""
+    digest = hashlib.sha256()
+    for name, data in files:
+        digest.update(name.encode() + b"\0" + len(data).to_bytes(8, "big"))
+        digest.update(data)
+        for start in range(0, max(len(data), 1), TOKENIZER_CHUNK_BYTES):
+            yield pb.GetTokenizerResponse(
+                file_name=name, data=data[start : start + TOKENIZER_CHUNK_BYTES]
+            )
+    yield pb.GetTokenizerResponse(sha256=digest.hexdigest(), file_count=len(files))
+
+
+def embedding(request_id: str, result: Embedding) -> pb.EmbedResponse:
+    return pb.EmbedResponse(
+        request_id=request_id, embedding=result.values, prompt_tokens=result.prompt_tokens
+    )
+
+
+def lora_adapters(adapters: list[LoraAdapter]) -> pb.ListLoraAdaptersResponse:
+    return pb.ListLoraAdaptersResponse(
+        adapters=[pb.LoraAdapter(name=a.name, path=a.path) for a in adapters]
+    )

@@ -1,0 +1,25 @@
+"""MockConfig: the mock engine's settings, declared once (the CLI derives --mock-<name>)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class MockConfig:
+    """The mock's settings; `vllm-servicer --mock-<name>` flags are derived from these fields."""
+
+    model_name: str = field(default="mock-model", metadata={"help": "served model name"})
+    vocab_size: int = 32000
+    max_model_len: int = 4096
+    eos_token_id: int = 2
+    tokens_per_step: int = field(default=1, metadata={"help": "tokens each engine step makes"})
+    step_delay: float = field(default=0.0, metadata={"help": "seconds between engine steps"})
+    max_num_seqs: int = field(default=256, metadata={"help": "requests running at once"})
+    block_size: int = 16
+    kv_cache_tokens: int = 262144
+    dp_size: int = 1
+    die_after_tokens: int = field(
+        default=0,
+        metadata={"help": "fault injection: the engine dies after this many tokens (0: never)"},
+    )
