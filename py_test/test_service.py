@@ -9,6 +9,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
+from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vpb_grpc
 
 from vllm_router.proto import vllm_engine_pb2 as pb
 from vllm_router.server import ServerConfig
@@ -19,6 +21,7 @@ from harness import Harness, StartServer, read_rest, request, start_harness
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 SERVICE = "vllm.engine.v1.VllmEngine"
+VLLM_GRPC_SERVICE = "vllm.grpc.engine.VllmEngine"
 
 
 async def test_model_info_reads_the_engine_config(start_mock: StartServer) -> None:
@@ -64,14 +67,28 @@ async def test_reset_prefix_cache_true_when_idle_false_while_running(
     stream.cancel()
 
 
-async def test_reflection_lists_every_service(mock: Harness) -> None:
-    stub = reflection_pb2_grpc.ServerReflectionStub(mock.channel)
+async def _reflected_services(channel: grpc.aio.Channel) -> set[str]:
+    stub = reflection_pb2_grpc.ServerReflectionStub(channel)
     call = stub.ServerReflectionInfo(
         iter([reflection_pb2.ServerReflectionRequest(list_services="")])
     )
     replies = [reply async for reply in call]
-    names = {s.name for s in replies[0].list_services_response.service}
-    assert names == {SERVICE, "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"}
+    return {s.name for s in replies[0].list_services_response.service}
+
+
+async def test_reflection_lists_every_service(start_mock: StartServer) -> None:
+    both = await start_mock()
+    assert await _reflected_services(both.channel) == {
+        SERVICE,
+        VLLM_GRPC_SERVICE,
+        "grpc.health.v1.Health",
+        "grpc.reflection.v1alpha.ServerReflection",
+    }
+    ours_only = await start_mock(ServerConfig(port=0, vllm_grpc=False))
+    assert VLLM_GRPC_SERVICE not in await _reflected_services(ours_only.channel)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await vpb_grpc.VllmEngineStub(ours_only.channel).HealthCheck(vpb.HealthCheckRequest())
+    assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
 
 
 async def test_engine_death_mid_stream(start_mock: StartServer) -> None:

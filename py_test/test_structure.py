@@ -22,6 +22,7 @@ LAYERS = [
         "vllm_router.convert",
         "vllm_router.responses",
         "vllm_router.vllm_servicer",
+        "vllm_router.vllm_grpc",
     },
     {"vllm_router.server"},
     {"vllm_router.cli"},

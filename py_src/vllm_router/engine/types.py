@@ -66,6 +66,7 @@ class SamplingOptions:
     bad_words: tuple[str, ...] = ()
     prompt_logprobs: int | None = None
     structured_outputs: StructuredOutputs | None = None
+    spaces_between_special_tokens: bool | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +87,8 @@ class GenerationRequest:
     priority: int = 0
     # W3C trace context (traceparent, tracestate) for the engine's spans.
     trace_headers: Mapping[str, str] | None = None
+    # A KV connector's parameters for prefill/decode disaggregation, passed to vLLM as is.
+    kv_transfer_params: Mapping[str, Any] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,6 +120,8 @@ class EngineStep:
     # On the first step of sample 0, when asked for: one entry per prompt token
     # (the first has logprob NaN: nothing precedes it).
     prompt_logprobs: list[TokenLogprob] | None = None
+    # On the finished step: what the KV connector returns (a prefill side's handle).
+    kv_transfer_params: Mapping[str, Any] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,6 +144,8 @@ class ModelFacts:
     default_sampling_params: Mapping[str, Any] = field(default_factory=dict)
     supports_priority: bool = False  # --scheduling-policy priority
     supports_lora: bool = False  # --enable-lora
+    tokenizer_path: str = ""
+    model_type: str = ""  # the Hugging Face config's model_type, e.g. "llama"
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,10 +11,9 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncGenerator
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from ..errors import EngineUnavailable
+from ..errors import EngineUnavailable, NotConfigured
 from .types import (
     Embedding,
     EngineStep,
@@ -24,6 +23,7 @@ from .types import (
     ModelFacts,
     RankLoad,
 )
+from .vllm_facts import model_facts, read_tokenizer_files
 from .vllm_lora import LoraRegistry
 from .vllm_params import build_sampling_params, convert_logprobs, convert_prompt_logprobs, reraise
 from .vllm_stats import LoadBoard
@@ -33,64 +33,6 @@ if TYPE_CHECKING:
     from vllm.v1.engine.async_llm import AsyncLLM
 
 logger = logging.getLogger(__name__)
-
-# What GetTokenizer sends, when the model directory has it.
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "vocab.json",
-    "merges.txt",
-    "tokenizer.model",
-    "chat_template.jinja",
-    "chat_template.json",
-    "generation_config.json",
-)
-
-
-def _read_tokenizer_files(tokenizer: str) -> list[tuple[str, bytes]]:
-    source = Path(tokenizer)
-    if not source.is_dir():  # a hub id: the files are in the local hub cache
-        from huggingface_hub import snapshot_download
-
-        source = Path(snapshot_download(tokenizer, local_files_only=True))
-    return [(name, (source / name).read_bytes()) for name in TOKENIZER_FILES
-            if (source / name).is_file()]  # fmt: skip
-
-
-def _model_facts(llm: AsyncLLM, model_defaults: dict[str, Any]) -> ModelFacts:
-    import vllm
-
-    vllm_config = llm.vllm_config
-    model_config = vllm_config.model_config
-    tokenizer = llm.get_tokenizer() if not model_config.skip_tokenizer_init else None
-    eos_ids = set()
-    if tokenizer is not None and tokenizer.eos_token_id is not None:
-        eos_ids.add(tokenizer.eos_token_id)
-    generation_eos = model_config.try_get_generation_config().get("eos_token_id")
-    if generation_eos is not None:
-        eos_ids.update([generation_eos] if isinstance(generation_eos, int) else generation_eos)
-    served = model_config.served_model_name or model_config.model
-    return ModelFacts(
-        model_name=model_config.model,
-        served_model_name=served if isinstance(served, str) else served[0],
-        max_model_len=model_config.max_model_len,
-        vocab_size=model_config.get_vocab_size(),
-        dp_size=vllm_config.parallel_config.data_parallel_size,
-        block_size=vllm_config.cache_config.block_size,
-        eos_token_ids=tuple(sorted(eos_ids)),
-        engine="vllm",
-        engine_version=vllm.__version__,
-        max_num_seqs=vllm_config.scheduler_config.max_num_seqs,
-        bos_token_id=getattr(tokenizer, "bos_token_id", None),
-        pad_token_id=getattr(tokenizer, "pad_token_id", None),
-        architectures=tuple(model_config.architectures or ()),
-        is_generation=model_config.runner_type == "generate",
-        default_sampling_params=model_defaults,
-        supports_priority=vllm_config.scheduler_config.policy == "priority",
-        supports_lora=vllm_config.lora_config is not None,
-    )
 
 
 class VllmEngine:
@@ -102,7 +44,7 @@ class VllmEngine:
         model_config = llm.vllm_config.model_config
         self._max_model_len = model_config.max_model_len
         self._model_defaults = model_config.get_diff_sampling_param()
-        self._facts = _model_facts(llm, self._model_defaults)
+        self._facts = model_facts(llm, self._model_defaults)
         self._loras = LoraRegistry(llm, self._facts.supports_lora)
         if self._model_defaults:
             logger.info(
@@ -180,7 +122,27 @@ class VllmEngine:
         await self._loras.unload(name)
 
     async def tokenizer_files(self) -> list[tuple[str, bytes]]:
-        return await asyncio.to_thread(_read_tokenizer_files, self._llm.model_config.tokenizer)
+        return await asyncio.to_thread(read_tokenizer_files, self._llm.model_config.tokenizer)
+
+    async def start_profile(self) -> None:
+        self._require_profiler()
+        try:
+            await self._llm.start_profile()
+        except Exception as exc:
+            reraise(exc)
+
+    async def stop_profile(self) -> None:
+        self._require_profiler()
+        try:
+            await self._llm.stop_profile()
+        except Exception as exc:
+            reraise(exc)
+
+    def _require_profiler(self) -> None:
+        if self._llm.vllm_config.profiler_config.profiler is None:
+            raise NotConfigured(
+                "no profiler is configured on this worker (start it with --profiler-config)"
+            )
 
     async def tokenize(self, text: str) -> list[int]:
         """Tokenized as vLLM's completions server does (special tokens added)."""
@@ -223,6 +185,7 @@ class VllmEngine:
                 prompt_len=len(ids),
                 max_model_len=self._max_model_len,
                 detokenize=request.detokenize,
+                kv_transfer_params=request.kv_transfer_params,
             )
         except Exception as exc:
             reraise(exc)
@@ -280,6 +243,8 @@ class VllmEngine:
                         else None,
                         index=index,
                     )
+                    if step.finished and out.kv_transfer_params:
+                        step.kv_transfer_params = out.kv_transfer_params
                     if prompt_top is not None and index == 0 and out.prompt_logprobs:
                         step.prompt_logprobs = convert_prompt_logprobs(
                             ids, out.prompt_logprobs, prompt_top

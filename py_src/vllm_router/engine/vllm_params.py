@@ -39,6 +39,7 @@ def build_sampling_params(
     prompt_len: int,
     max_model_len: int,
     detokenize: bool,
+    kv_transfer_params: Mapping[str, Any] | None = None,
 ) -> SamplingParams:
     """SamplingParams as vLLM's OpenAI server would build them for this request.
 
@@ -76,6 +77,8 @@ def build_sampling_params(
         stop_token_ids=stop_token_ids,
         detokenize=detokenize,
         structured_outputs=structured_outputs_params(options.structured_outputs),
+        # vLLM's KV connectors read their parameters from here (as vLLM's own servers pass them).
+        extra_args={"kv_transfer_params": dict(kv_transfer_params)} if kv_transfer_params else None,
         output_kind=RequestOutputKind.DELTA,
         skip_clone=True,
     )

@@ -24,10 +24,13 @@ from typing import TypeAlias
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vpb_grpc
 
 from ..engine import AsyncEngine
 from ..proto import vllm_engine_pb2_grpc as pb_grpc
 from ..serving import RequestTable, ServingState
+from ..vllm_grpc.servicer import SERVICE_NAME as VLLM_GRPC_SERVICE
+from ..vllm_grpc.servicer import VllmGrpcServicer
 from ..vllm_servicer import SERVICE_NAME, VllmEngineServicer
 from .config import ServerConfig, StartupError, server_options
 from .interceptors import MalformedRequestInterceptor
@@ -37,8 +40,7 @@ logger = logging.getLogger(__name__)
 
 EXIT_OK = 0
 EXIT_ENGINE_DEAD = 1
-# Services answered by our own (rpc.handles_errors-decorated) servicers.
-OUR_SERVICES = (SERVICE_NAME,)
+
 HealthStatus: TypeAlias = health_pb2.HealthCheckResponse.ServingStatus.ValueType
 
 
@@ -93,7 +95,11 @@ class RunningServer:
             log_requests=config.enable_log_requests,
         )
         self.health = health.aio.HealthServicer()
-        interceptors: list[grpc.aio.ServerInterceptor] = [MalformedRequestInterceptor(OUR_SERVICES)]
+        # Services answered by our own (rpc.handles_errors-decorated) servicers.
+        self.services = (SERVICE_NAME, VLLM_GRPC_SERVICE) if config.vllm_grpc else (SERVICE_NAME,)
+        interceptors: list[grpc.aio.ServerInterceptor] = [
+            MalformedRequestInterceptor(self.services)
+        ]
         if config.api_key is not None:
             interceptors.insert(0, ApiKeyInterceptor(config.api_key))
         self.server = grpc.aio.server(options=server_options(config), interceptors=interceptors)
@@ -105,11 +111,13 @@ class RunningServer:
         self._background: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:
-        servicer = VllmEngineServicer(self.engine, self.requests, self.state)
-        pb_grpc.add_VllmEngineServicer_to_server(servicer, self.server)
+        shared = (self.engine, self.requests, self.state)
+        pb_grpc.add_VllmEngineServicer_to_server(VllmEngineServicer(*shared), self.server)
+        if self.config.vllm_grpc:
+            vpb_grpc.add_VllmEngineServicer_to_server(VllmGrpcServicer(*shared), self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
-            (*OUR_SERVICES, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server
+            (*self.services, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server
         )
         await self._publish_health(self._health_status)
         with _owner_only_files():
@@ -164,7 +172,7 @@ class RunningServer:
 
     async def _publish_health(self, value: HealthStatus) -> None:
         self._health_status = value
-        for service in ("", *OUR_SERVICES):
+        for service in ("", *self.services):
             await self.health.set(service, value)
 
     async def _watch_health(self) -> None:

@@ -22,6 +22,11 @@ def _opt(default: Any, help: str, **extra: Any) -> Any:
 @dataclass(frozen=True)
 class ServerConfig:
     host: str = _opt("127.0.0.1", "address to listen on (0.0.0.0: all)")
+    vllm_grpc: bool = _opt(
+        True,
+        "also serve vLLM's official contract vllm.grpc.engine.VllmEngine (what `vllm serve "
+        "--grpc` serves and the SMG router speaks) on the same port",
+    )
     port: int = _opt(50051, "TCP port; 0 picks a free port and logs it; -1: none (needs --uds)")
     shutdown_grace_seconds: float = _opt(
         30.0, "on SIGTERM/SIGINT, how long in-flight requests may run before they are aborted"

@@ -151,6 +151,12 @@ class MockAsyncEngine:
     async def unload_lora_adapter(self, name: str) -> None:
         raise Unsupported(NO_LORA)
 
+    async def start_profile(self) -> None:
+        raise Unsupported("the mock engine has no profiler")
+
+    async def stop_profile(self) -> None:
+        raise Unsupported("the mock engine has no profiler")
+
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[EngineStep, None]:
         await self.check_health()
         validate_sampling(request.sampling, request.detokenize)

@@ -1,0 +1,172 @@
+"""The neutral engine types -> vllm.grpc.engine / smg.grpc.common messages (pure functions)."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import math
+import time
+import zipfile
+from collections.abc import Iterator
+from datetime import datetime, timezone
+
+from smg_grpc_proto.generated import common_pb2
+from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
+
+from ..engine import EngineStep, ModelFacts, RankLoad, TokenLogprob
+
+# The router reads the tokenizer bundle in chunks of this size.
+TOKENIZER_CHUNK_BYTES = 64 * 1024
+
+
+def output_logprobs(entries: list[TokenLogprob] | None, num_top: int) -> vpb.OutputLogProbs | None:
+    if not entries:
+        return None
+    message = vpb.OutputLogProbs(
+        token_logprobs=[e.logprob for e in entries], token_ids=[e.token_id for e in entries]
+    )
+    if num_top > 0:
+        for entry in entries:
+            message.top_logprobs.add(
+                token_ids=[t for t, _ in entry.top], values=[lp for _, lp in entry.top]
+            )
+    return message
+
+
+def input_logprobs(entries: list[TokenLogprob] | None, num_top: int) -> vpb.InputLogProbs | None:
+    if not entries:
+        return None
+    message = vpb.InputLogProbs(token_ids=[e.token_id for e in entries])
+    for entry in entries:
+        value = message.token_logprobs.add()
+        if not math.isnan(entry.logprob):  # the first prompt token has none
+            value.value = entry.logprob
+        if num_top > 0:
+            message.top_logprobs.add(
+                token_ids=[t for t, _ in entry.top], values=[lp for _, lp in entry.top]
+            )
+    return message
+
+
+def chunk(
+    step: EngineStep, num_top: int, prompt: list[TokenLogprob] | None, num_prompt_top: int
+) -> vpb.GenerateResponse:
+    """A stream chunk: this step's tokens; completion_tokens counts them (the router sums)."""
+    return vpb.GenerateResponse(
+        chunk=vpb.GenerateStreamChunk(
+            token_ids=step.token_ids,
+            prompt_tokens=step.prompt_tokens,
+            completion_tokens=len(step.token_ids),
+            cached_tokens=step.cached_tokens,
+            output_logprobs=output_logprobs(step.logprobs, num_top),
+            input_logprobs=input_logprobs(prompt, num_prompt_top),
+            index=step.index,
+        )
+    )
+
+
+def complete(
+    last: EngineStep,
+    output_ids: list[int],
+    logprobs: list[TokenLogprob] | None,
+    num_top: int,
+    prompt: list[TokenLogprob] | None,
+    num_prompt_top: int,
+    eos_ids: frozenset[int],
+) -> vpb.GenerateResponse:
+    """A sample's final message with `output_ids` and their logprobs."""
+    message = vpb.GenerateComplete(
+        output_ids=output_ids,
+        finish_reason=last.finish_reason or "stop",
+        prompt_tokens=last.prompt_tokens,
+        completion_tokens=len(output_ids),
+        cached_tokens=last.cached_tokens,
+        output_logprobs=output_logprobs(logprobs, num_top),
+        input_logprobs=input_logprobs(prompt, num_prompt_top),
+        index=last.index,
+    )
+    reason = last.stop_reason
+    if isinstance(reason, str):
+        message.matched_stop_str = reason
+    elif reason is not None and reason not in eos_ids:  # vLLM reports no match for EOS
+        message.matched_token_id = reason
+    if last.kv_transfer_params:
+        params = dict(last.kv_transfer_params)
+        message.kv_transfer_params_json = json.dumps(params)
+        if "remote_host" in params or "remote_port" in params:
+            message.kv_transfer_params.remote_host = str(params.get("remote_host") or "")
+            message.kv_transfer_params.remote_port = int(params.get("remote_port") or 0)
+    return vpb.GenerateResponse(complete=message)
+
+
+def model_info(facts: ModelFacts) -> vpb.GetModelInfoResponse:
+    return vpb.GetModelInfoResponse(
+        model_path=facts.model_name,
+        is_generation=facts.is_generation,
+        max_context_length=facts.max_model_len,
+        vocab_size=facts.vocab_size,
+        supports_vision=False,
+        served_model_name=facts.served_model_name,
+        tokenizer_path=facts.tokenizer_path,
+        model_type=facts.model_type,
+        architectures=facts.architectures,
+        eos_token_ids=facts.eos_token_ids,
+        pad_token_id=facts.pad_token_id or 0,
+        bos_token_id=facts.bos_token_id or 0,
+        max_req_input_len=facts.max_model_len,
+        default_sampling_params_json=json.dumps(dict(facts.default_sampling_params)),
+    )
+
+
+def server_info(facts: ModelFacts, active: int, started: float) -> vpb.GetServerInfoResponse:
+    return vpb.GetServerInfoResponse(
+        active_requests=active,
+        is_paused=False,
+        last_receive_timestamp=time.time(),
+        uptime_seconds=time.monotonic() - started,
+        server_type="vllm-grpc",
+        data_parallel_size=facts.dp_size,
+        block_size=facts.block_size,
+        max_num_seqs=facts.max_num_seqs,
+    )
+
+
+def loads(ranks: list[RankLoad], max_running: int, version: str) -> vpb.GetLoadsResponse:
+    return vpb.GetLoadsResponse(
+        timestamp=datetime.now(timezone.utc).isoformat(),
+        version=version,
+        dp_rank_count=len(ranks),
+        loads=[
+            vpb.SchedulerLoad(
+                dp_rank=r.dp_rank,
+                num_running_reqs=r.running_requests,
+                num_waiting_reqs=r.waiting_requests,
+                num_total_reqs=r.running_requests + r.waiting_requests,
+                token_usage=r.kv_cache_usage,
+                utilization=r.kv_cache_usage,
+                max_running_requests=max_running,
+            )
+            for r in ranks
+        ],
+    )
+
+
+def tokenizer_zip(files: list[tuple[str, bytes]]) -> bytes:
+    """The tokenizer files as one zip archive (what the router unpacks)."""
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w", zipfile.ZIP_DEFLATED) as archive:
+        for name, data in files:
+            archive.writestr(name, data)
+    return buffer.getvalue()
+
+
+def tokenizer_chunks(archive: bytes) -> Iterator[common_pb2.GetTokenizerChunk]:
+    """The archive in chunks; the last carries the SHA-256 of the whole archive."""
+    digest = hashlib.sha256(archive).hexdigest()
+    starts = range(0, len(archive), TOKENIZER_CHUNK_BYTES)
+    for start in starts:
+        last = start == starts[-1]
+        yield common_pb2.GetTokenizerChunk(
+            data=archive[start : start + TOKENIZER_CHUNK_BYTES], sha256=digest if last else ""
+        )

@@ -1,0 +1,191 @@
+"""VllmGrpcServicer: vllm.grpc.engine.VllmEngine (what `vllm serve --grpc` serves, the
+contract the SMG router speaks), over the same engine, request table and health as ours.
+
+Handlers are thin: convert.py in, the shared RequestTable, responses.py out; errors are
+mapped by `rpc.handles_errors` exactly as for vllm.engine.v1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import TypeAlias
+
+import grpc
+from smg_grpc_proto.generated import common_pb2
+from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
+from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vpb_grpc
+
+from ..convert import checked_request_id, trace_headers
+from ..engine import AsyncEngine, EngineStep, TokenLogprob
+from ..errors import Unsupported
+from ..rpc import handles_errors
+from ..serving import RequestTable, ServingState
+from . import convert, responses
+
+SERVICE_NAME = vpb.DESCRIPTOR.services_by_name["VllmEngine"].full_name
+Context: TypeAlias = grpc.aio.ServicerContext
+NO_KV_EVENTS = (
+    "KV cache events are not relayed by this worker: route without cache-aware "
+    "KV events (the router falls back to its own prefix tree)"
+)
+
+
+class _Sample:
+    """One sample's tokens and logprobs, for a non-streamed request's final message."""
+
+    __slots__ = ("last", "logprobs", "token_ids")
+
+    def __init__(self) -> None:
+        self.token_ids: list[int] = []
+        self.logprobs: list[TokenLogprob] = []
+        self.last: EngineStep | None = None
+
+
+class VllmGrpcServicer(vpb_grpc.VllmEngineServicer):
+    def __init__(self, engine: AsyncEngine, requests: RequestTable, state: ServingState) -> None:
+        self._engine = engine
+        self._requests = requests
+        self._state = state
+        self._started = time.monotonic()
+        self._eos = frozenset(engine.facts.eos_token_ids)
+        self._tokenizer_zip: bytes | None = None
+
+    @handles_errors
+    async def Generate(
+        self, request: vpb.GenerateRequest, context: Context
+    ) -> AsyncIterator[vpb.GenerateResponse]:
+        trace = trace_headers(context.invocation_metadata())
+        generation = convert.to_generation_request(request, self._engine.facts, trace)
+        sampling = generation.sampling
+        num_top = max(sampling.logprobs or 0, 0)
+        num_prompt_top = max(sampling.prompt_logprobs or 0, 0)
+        prompt: list[TokenLogprob] | None = None
+        seen: set[int] = set()
+        samples: dict[int, _Sample] = {}
+        async with self._requests.run(generation) as (flight, steps):
+            clock = asyncio.get_running_loop().time
+            async for step in steps:
+                if step.prompt_logprobs is not None:
+                    prompt = step.prompt_logprobs
+                if step.finished:
+                    flight.check_finished(step)
+                if not request.stream:
+                    sample = samples.setdefault(step.index, _Sample())
+                    sample.token_ids.extend(step.token_ids)
+                    sample.logprobs.extend(step.logprobs or ())
+                    sample.last = step
+                    continue
+                first = step.index not in seen
+                seen.add(step.index)
+                flight.sending_since = clock()
+                yield responses.chunk(step, num_top, prompt if first else None, num_prompt_top)
+                if step.finished:
+                    # As vLLM's --grpc server: the last step's tokens again, the router
+                    # takes finish reason, matched stop and logprobs from here.
+                    yield responses.complete(
+                        step, step.token_ids, step.logprobs, num_top, prompt, num_prompt_top,
+                        self._eos,
+                    )  # fmt: skip
+                flight.sending_since = None
+        for index in sorted(samples):
+            sample = samples[index]
+            assert sample.last is not None
+            yield responses.complete(
+                sample.last, sample.token_ids, sample.logprobs or None, num_top, prompt,
+                num_prompt_top, self._eos,
+            )  # fmt: skip
+
+    @handles_errors
+    async def Embed(self, request: vpb.EmbedRequest, context: Context) -> vpb.EmbedResponse:
+        request_id = checked_request_id(request.request_id)
+        result = await self._requests.embed(request_id, list(request.tokenized.input_ids))
+        return vpb.EmbedResponse(
+            embedding=result.values,
+            prompt_tokens=result.prompt_tokens,
+            embedding_dim=len(result.values),
+        )
+
+    @handles_errors
+    async def HealthCheck(
+        self, request: vpb.HealthCheckRequest, context: Context
+    ) -> vpb.HealthCheckResponse:
+        status = await self._state.status()
+        return vpb.HealthCheckResponse(
+            healthy=status.serving, message="Health" if status.serving else status.reason
+        )
+
+    @handles_errors
+    async def Abort(self, request: vpb.AbortRequest, context: Context) -> vpb.AbortResponse:
+        await self._requests.abort(list(request.request_ids))
+        return vpb.AbortResponse()
+
+    @handles_errors
+    async def FlushCache(
+        self, request: common_pb2.FlushCacheRequest, context: Context
+    ) -> common_pb2.FlushCacheResponse:
+        await self._state.require_engine()
+        if await self._engine.reset_prefix_cache():
+            return common_pb2.FlushCacheResponse(success=True, message="prefix cache flushed")
+        return common_pb2.FlushCacheResponse(
+            success=False,
+            message="the engine refused to flush its prefix cache while requests hold blocks",
+        )
+
+    @handles_errors
+    async def StartProfile(
+        self, request: common_pb2.StartProfileRequest, context: Context
+    ) -> common_pb2.ProfileResponse:
+        await self._engine.start_profile()
+        return common_pb2.ProfileResponse(success=True, message="profiling started")
+
+    @handles_errors
+    async def StopProfile(
+        self, request: common_pb2.StopProfileRequest, context: Context
+    ) -> common_pb2.ProfileResponse:
+        await self._engine.stop_profile()
+        return common_pb2.ProfileResponse(success=True, message="profiling stopped")
+
+    @handles_errors
+    async def GetModelInfo(
+        self, request: vpb.GetModelInfoRequest, context: Context
+    ) -> vpb.GetModelInfoResponse:
+        await self._state.require_engine()
+        return responses.model_info(self._engine.facts)
+
+    @handles_errors
+    async def GetServerInfo(
+        self, request: vpb.GetServerInfoRequest, context: Context
+    ) -> vpb.GetServerInfoResponse:
+        await self._state.require_engine()
+        active = len(self._requests.in_flight)
+        return responses.server_info(self._engine.facts, active, self._started)
+
+    @handles_errors
+    async def GetLoads(
+        self, request: vpb.GetLoadsRequest, context: Context
+    ) -> vpb.GetLoadsResponse:
+        await self._state.require_engine()
+        facts = self._engine.facts
+        ranks = self._engine.loads()
+        if request.HasField("dp_rank"):
+            ranks = [r for r in ranks if r.dp_rank == request.dp_rank]
+        return responses.loads(ranks, facts.max_num_seqs, facts.engine_version)
+
+    @handles_errors
+    async def GetTokenizer(
+        self, request: common_pb2.GetTokenizerRequest, context: Context
+    ) -> AsyncIterator[common_pb2.GetTokenizerChunk]:
+        await self._state.require_engine()
+        if self._tokenizer_zip is None:
+            self._tokenizer_zip = responses.tokenizer_zip(await self._engine.tokenizer_files())
+        for piece in responses.tokenizer_chunks(self._tokenizer_zip):
+            yield piece
+
+    @handles_errors
+    async def SubscribeKvEvents(
+        self, request: common_pb2.SubscribeKvEventsRequest, context: Context
+    ) -> AsyncIterator[common_pb2.KvEventBatch]:
+        raise Unsupported(NO_KV_EVENTS)
+        yield  # pragma: no cover - makes this a streaming handler

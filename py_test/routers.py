@@ -1,0 +1,117 @@
+"""The real Rust router (SMG) and vLLM's own `--grpc` server as subprocesses, for e2e tests."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+from vllm_router.testing.wait_serving import serving
+
+from real_engine import ROOT, cli_flags
+from vllm_servers import START_TIMEOUT, free_port
+
+ROUTER_VENV = ROOT / ".venv-router"
+
+
+def smg_path() -> str | None:
+    beside = ROUTER_VENV / "bin" / "smg"
+    return str(beside) if beside.exists() else shutil.which("smg")
+
+
+def _stop(process: subprocess.Popen) -> None:
+    process.terminate()
+    try:
+        process.wait(30)
+    except subprocess.TimeoutExpired:
+        process.kill()
+
+
+def _wait(process: subprocess.Popen, ready: object, what: str, log: Path) -> None:
+    deadline = time.monotonic() + START_TIMEOUT
+    while not ready():  # type: ignore[operator]
+        if process.poll() is not None:
+            raise AssertionError(f"{what} exited with {process.returncode}: see {log}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} not ready in {START_TIMEOUT} s: see {log}")
+        time.sleep(0.5)
+
+
+def _http_models_ready(base: str) -> bool:
+    try:
+        with urllib.request.urlopen(base + "/v1/models", timeout=2) as response:
+            return response.status == 200 and b'"data":[{' in response.read()
+    except OSError:
+        return False
+
+
+@contextlib.contextmanager
+def vllm_grpc_server(model: Path, engine_flags: dict[str, object], log: Path) -> Iterator[str]:
+    """vLLM's own gRPC launcher (what `vllm serve --grpc` runs); yields its address."""
+    port = free_port()
+    launcher = "vllm.entrypoints.launchers.grpc_server"
+    command = [sys.executable, "-m", launcher, "--model", str(model), "--host", "127.0.0.1",
+               "--port", str(port), *cli_flags(engine_flags)]  # fmt: skip
+    with open(log, "w") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+        address = f"127.0.0.1:{port}"
+        try:
+            _wait(process, lambda: serving(address), "vLLM's gRPC server", log)
+            yield address
+        finally:
+            _stop(process)
+
+
+@contextlib.contextmanager
+def smg_router(workers: list[str], model: Path, log: Path, *extra: str) -> Iterator[str]:
+    """`smg launch` in front of gRPC workers; yields the router's HTTP base URL."""
+    binary = smg_path()
+    assert binary is not None, "the smg router is not installed (make test installs it)"
+    port, metrics_port = free_port(), free_port()
+    command = [binary, "launch", "--host", "127.0.0.1", "--port", str(port),
+               "--worker-urls", *(f"grpc://{w}" for w in workers), "--model-path", str(model),
+               "--backend", "vllm", "--prometheus-host", "127.0.0.1",
+               "--prometheus-port", str(metrics_port), *extra]  # fmt: skip
+    with open(log, "w") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+        base = f"http://127.0.0.1:{port}"
+        try:
+            _wait(process, lambda: _http_models_ready(base), "the smg router", log)
+            yield base
+        finally:
+            _stop(process)
+
+
+def openai_post(base: str, path: str, body: dict) -> tuple[int, dict]:
+    """POST to the router; (HTTP status, JSON body) whatever the status."""
+    request = urllib.request.Request(
+        base + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=300) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read() or b"{}")
+
+
+def openai_stream(base: str, path: str, body: dict) -> list[dict]:
+    """POST a streaming request; the JSON of every `data:` event before [DONE]."""
+    request = urllib.request.Request(
+        base + path,
+        data=json.dumps({**body, "stream": True}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    events = []
+    with urllib.request.urlopen(request, timeout=300) as response:
+        for raw in response:
+            line = raw.decode().strip()
+            if line.startswith("data:") and line[5:].strip() != "[DONE]":
+                events.append(json.loads(line[5:]))
+    return events

@@ -1,0 +1,193 @@
+"""OpenAI requests through the real Rust router (SMG) to this servicer, against the same
+router in front of vLLM's own `--grpc` server (same model, same engine flags): the router's
+answers must be identical, token for token."""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+from typing import Any
+from urllib.parse import urlparse
+
+import jsonschema
+import pytest
+
+from vllm_router.proto import vllm_engine_pb2 as pb
+
+from harness import Harness, real_engine_idle, wait_until
+from routers import openai_post, openai_stream
+
+pytestmark = pytest.mark.vllm
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "enum": ["Paris", "Rome"]},
+        "days": {"type": "integer"},
+    },
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather in a city",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
+                "required": ["city"],
+            },
+        },
+    }
+]
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+
+
+def _chat(content: str, **fields: Any) -> dict:
+    return {"messages": [{"role": "user", "content": content}], **fields}
+
+
+# name -> (path, body, streamed?)
+CASES: dict[str, tuple[str, dict, bool]] = {
+    "chat greedy": (CHAT, _chat("Hello worker", max_tokens=24, temperature=0), False),
+    "chat greedy streamed": (CHAT, _chat("Hello worker", max_tokens=24, temperature=0), True),
+    "completions greedy": (COMPLETIONS, {"prompt": "The router", "max_tokens": 24,
+                                         "temperature": 0}, False),
+    "completions streamed": (COMPLETIONS, {"prompt": "The router", "max_tokens": 24,
+                                           "temperature": 0}, True),
+    "chat seeded": (CHAT, _chat("Tell me", max_tokens=24, temperature=0.8, seed=5), False),
+    "completions seeded": (COMPLETIONS, {"prompt": "Each step", "max_tokens": 24,
+                                         "temperature": 0.9, "seed": 6}, False),
+    "chat n=2 seeded": (CHAT, _chat("Two ways", max_tokens=16, temperature=0.9, seed=7, n=2),
+                        False),
+    "chat n=2 seeded streamed": (CHAT, _chat("Two ways", max_tokens=16, temperature=0.9,
+                                             seed=7, n=2), True),
+    "chat logprobs": (CHAT, _chat("Scores", max_tokens=8, temperature=0, logprobs=True,
+                                  top_logprobs=3), False),
+    "completions logprobs": (COMPLETIONS, {"prompt": "Scores", "max_tokens": 8,
+                                           "temperature": 0, "logprobs": 2}, False),
+    "chat stop string": (CHAT, _chat("Hello worker", max_tokens=40, temperature=0,
+                                     stop=["e"]), False),
+    "chat max_tokens 1": (CHAT, _chat("One", max_tokens=1, temperature=0), False),
+    "chat json schema": (CHAT, _chat("Plan a trip", max_tokens=60, temperature=0,
+                                     response_format={"type": "json_schema", "json_schema":
+                                                      {"name": "trip", "schema": SCHEMA}}), False),
+    "chat json_object": (CHAT, _chat("Any JSON", max_tokens=40, temperature=0,
+                                     response_format={"type": "json_object"}), False),
+    "chat tools required": (CHAT, _chat("Weather in Paris?", max_tokens=160, temperature=0,
+                                        tools=TOOLS, tool_choice="required"), False),
+    "prompt over the context window": (CHAT, _chat("word " * 400, max_tokens=8), False),
+}  # fmt: skip
+
+
+def _normalized(path: str, status: int, body: dict) -> Any:
+    """What a client relies on: status, per-choice output and finish reason, usage, logprobs."""
+    if status != 200:
+        return status, body.get("error", {}).get("type"), body.get("error", {}).get("code")
+    choices = []
+    for choice in sorted(body["choices"], key=lambda c: c["index"]):
+        message = choice.get("message") or {}
+        choices.append(
+            (
+                choice["index"],
+                message.get("content") if path == CHAT else choice.get("text"),
+                json.dumps(message.get("tool_calls"), sort_keys=True) if message else None,
+                choice["finish_reason"],
+                json.dumps(choice.get("logprobs"), sort_keys=True),
+            )
+        )
+    usage = body.get("usage") or {}
+    return status, choices, (usage.get("prompt_tokens"), usage.get("completion_tokens"))
+
+
+def _joined(path: str, events: list[dict]) -> Any:
+    """A streamed answer as what a client assembles: text and finish reason per choice."""
+    text: dict[int, str] = {}
+    finish: dict[int, str | None] = {}
+    usage = None
+    for event in events:
+        usage = event.get("usage") or usage
+        for choice in event.get("choices", []):
+            piece = (
+                (choice.get("delta") or {}).get("content") if path == CHAT else choice.get("text")
+            )
+            text[choice["index"]] = text.get(choice["index"], "") + (piece or "")
+            finish[choice["index"]] = choice.get("finish_reason") or finish.get(choice["index"])
+    counts = (usage.get("prompt_tokens"), usage.get("completion_tokens")) if usage else None
+    return sorted(text.items()), sorted(finish.items()), counts
+
+
+async def _ask(base: str, path: str, body: dict, streamed: bool) -> Any:
+    if streamed:
+        body = {**body, "stream_options": {"include_usage": True}}
+        return _joined(path, await asyncio.to_thread(openai_stream, base, path, body))
+    status, answer = await asyncio.to_thread(openai_post, base, path, body)
+    return _normalized(path, status, answer)
+
+
+async def test_router_answers_are_identical_through_ours_and_vllm_grpc(
+    real: Harness, router_ours: str, router_reference: str, figures
+) -> None:
+    model = str(real.model_dir)
+    mismatches, matched = [], []
+    answers = {}
+    for name, (path, body, streamed) in CASES.items():
+        body = {"model": model, **body}
+        ours = answers[name] = await _ask(router_ours, path, body, streamed)
+        theirs = await _ask(router_reference, path, body, streamed)
+        if ours != theirs:
+            mismatches.append(f"{name}:\n  ours   {ours}\n  theirs {theirs}")
+        else:
+            matched.append(name)
+        if name == "chat json schema" and ours[1][0][3] == "stop":
+            jsonschema.validate(json.loads(ours[1][0][1]), SCHEMA)
+        if name == "prompt over the context window":
+            assert ours[0] == 400, ours
+        elif not streamed:
+            assert ours[0] == 200 and ours[1], (name, ours)  # a real answer, not an error
+        else:
+            assert ours[0] and all(text for _, text in ours[0]), (name, ours)
+    assert not mismatches, "\n".join(mismatches)
+    # tool_choice "required" becomes a JSON-schema constraint in the engine: the output is
+    # a tool-call array (the random-weight model never closes it within the budget).
+    content = answers["chat tools required"][1][0][1]
+    assert content.lstrip().startswith("[") and '"get_weather"' in content, content
+    figures(f"{len(matched)} OpenAI cases identical through the router to ours and to vLLM --grpc")
+
+
+async def test_128_concurrent_requests_through_the_router(
+    real: Harness, router_ours: str, router_reference: str
+) -> None:
+    body = {"model": str(real.model_dir), **_chat("Many at once", max_tokens=16, temperature=0)}
+    reference = await _ask(router_reference, CHAT, body, False)
+    answers = await asyncio.gather(*(_ask(router_ours, CHAT, body, False) for _ in range(128)))
+    assert all(answer == reference for answer in answers)
+    await wait_until(lambda: real_engine_idle(real), 10.0, "the engine to be idle")
+
+
+async def test_client_disconnect_mid_stream_leaves_nothing_running(
+    real: Harness, router_ours: str
+) -> None:
+    await wait_until(lambda: real_engine_idle(real), 10.0, "the engine to be idle")
+    url = urlparse(router_ours)
+    body = {"model": str(real.model_dir), "stream": True, "ignore_eos": True,
+            **_chat("Keep going", max_tokens=200, temperature=0)}  # fmt: skip
+
+    def start_and_drop() -> None:
+        connection = http.client.HTTPConnection(url.hostname, url.port, timeout=30)
+        connection.request("POST", CHAT, json.dumps(body), {"Content-Type": "application/json"})
+        response = connection.getresponse()
+        for _ in range(4):
+            response.readline()
+        connection.close()  # the client goes away mid-stream
+
+    await asyncio.to_thread(start_and_drop)
+    loads = await real.stub.GetLoads(pb.GetLoadsRequest())
+    assert loads.requests_in_flight <= 1
+    await wait_until(lambda: real_engine_idle(real), 5.0, "the engine to abort the request")
+    after = await real.stub.GetLoads(pb.GetLoadsRequest())
+    assert after.requests_in_flight == 0 and after.ranks[0].running_requests == 0
