@@ -16,7 +16,7 @@ from vllm_router.testing.mock_engine import MockAsyncEngine, MockConfig
 import real_engine
 import routers
 from harness import Harness, StartServer, require, start_harness
-from vllm_servers import vllm_openai_server
+from vllm_servers import free_port, vllm_openai_server
 
 _FIGURES: list[str] = []
 
@@ -60,10 +60,12 @@ async def mock(start_mock: StartServer) -> Harness:
     return await start_mock(step_delay=0.001)
 
 
-async def _real_harness(temperature: float | None = None) -> AsyncIterator[Harness]:
+async def _real_harness(
+    temperature: float | None = None, **extra_flags: object
+) -> AsyncIterator[Harness]:
     real_engine.require_vllm()
     model_dir = real_engine.tiny_model(temperature)
-    engine = real_engine.start_engine(model_dir)
+    engine = real_engine.start_engine(model_dir, {**real_engine.ENGINE_FLAGS, **extra_flags})
     config = ServerConfig(port=0, shutdown_grace_seconds=5.0)
     harness = await start_harness(engine, config, model_dir)
     try:
@@ -74,8 +76,11 @@ async def _real_harness(temperature: float | None = None) -> AsyncIterator[Harne
 
 @pytest_asyncio.fixture(scope="session", loop_scope="session")
 async def real() -> AsyncIterator[Harness]:
-    """Our server over a real vLLM AsyncLLM on the tiny model, one per test session."""
-    async for harness in _real_harness():
+    """Our server over a real vLLM AsyncLLM on the tiny model, one per test session.
+
+    It also publishes KV-cache events (for SubscribeKvEvents and cache-aware routing).
+    """
+    async for harness in _real_harness(**real_engine.kv_events_config(free_port())):
         yield harness
 
 

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import importlib.util
+import json
+import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -36,10 +39,24 @@ EMBED_FLAGS = {**BASE_FLAGS, "runner": "pooling", "convert": "embed"}
 LORA_NAME = "tiny-lora"
 
 
+def kv_events_config(tag: int) -> dict[str, object]:
+    """Engine flags that publish KV-cache events on a local (ipc) ZMQ endpoint of its own."""
+    endpoint = f"ipc://{tempfile.gettempdir()}/vllm-servicer-kv-{os.getpid()}-{tag}"
+    return {
+        "kv_events_config": {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": endpoint,
+        }
+    }
+
+
 def cli_flags(engine_flags: dict[str, object] = ENGINE_FLAGS) -> list[str]:
     flags = []
     for name, value in engine_flags.items():
         flag = "--" + name.replace("_", "-")
+        if isinstance(value, dict):
+            value = json.dumps(value)
         flags += [flag] if value is True else [flag, str(value)]
     return flags
 
@@ -72,8 +89,12 @@ def tiny_lora() -> Path:
 
 def start_engine(model: Path, engine_flags: dict[str, object] = ENGINE_FLAGS) -> VllmEngine:
     """A VllmEngine over AsyncLLM; call inside the test session's event loop."""
+    from vllm.config import KVEventsConfig
     from vllm.engine.arg_utils import AsyncEngineArgs
 
     from vllm_router.engine.vllm import VllmEngine
 
-    return VllmEngine.from_engine_args(AsyncEngineArgs(model=str(model), **engine_flags))
+    flags = dict(engine_flags)
+    if isinstance(flags.get("kv_events_config"), dict):
+        flags["kv_events_config"] = KVEventsConfig(**flags["kv_events_config"])  # type: ignore[arg-type]
+    return VllmEngine.from_engine_args(AsyncEngineArgs(model=str(model), **flags))

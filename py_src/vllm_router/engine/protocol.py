@@ -9,6 +9,7 @@ from .types import (
     Embedding,
     EngineStep,
     GenerationRequest,
+    KvEventBatch,
     LoadSnapshot,
     LoraAdapter,
     ModelFacts,
@@ -74,6 +75,10 @@ class AsyncEngine(Protocol):
     async def load_lora_adapter(self, name: str, path: str) -> None: ...
 
     async def unload_lora_adapter(self, name: str) -> None: ...
+
+    def kv_events(self) -> AsyncGenerator[KvEventBatch, None]:
+        """The engine's prefix-cache events as they happen; NotConfigured when not published."""
+        ...
 
     async def start_profile(self) -> None:
         """Start the engine's profiler; NotConfigured when none was configured."""

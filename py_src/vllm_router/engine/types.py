@@ -172,6 +172,35 @@ class LoraAdapter:
 
 
 @dataclass(frozen=True, slots=True)
+class KvBlocksStored:
+    block_hashes: tuple[int, ...]
+    parent_block_hash: int | None
+    token_ids: tuple[int, ...]
+    block_size: int
+    lora_id: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class KvBlocksRemoved:
+    block_hashes: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class KvCacheCleared:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class KvEventBatch:
+    """The prefix-cache changes one engine step made (hashes as signed 64-bit integers)."""
+
+    sequence: int
+    timestamp: float
+    dp_rank: int | None
+    events: tuple[KvBlocksStored | KvBlocksRemoved | KvCacheCleared, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class LoadSnapshot:
     """The scheduler's view after its latest step."""
 

@@ -18,12 +18,14 @@ from .types import (
     Embedding,
     EngineStep,
     GenerationRequest,
+    KvEventBatch,
     LoadSnapshot,
     LoraAdapter,
     ModelFacts,
     RankLoad,
 )
 from .vllm_facts import model_facts, read_tokenizer_files
+from .vllm_kv_events import kv_event_batches
 from .vllm_lora import LoraRegistry
 from .vllm_params import build_sampling_params, convert_logprobs, convert_prompt_logprobs, reraise
 from .vllm_stats import LoadBoard
@@ -123,6 +125,10 @@ class VllmEngine:
 
     async def tokenizer_files(self) -> list[tuple[str, bytes]]:
         return await asyncio.to_thread(read_tokenizer_files, self._llm.model_config.tokenizer)
+
+    def kv_events(self) -> AsyncGenerator[KvEventBatch, None]:
+        config = self._llm.vllm_config.kv_events_config
+        return kv_event_batches(config, getattr(config, "topic", "") or "")
 
     async def start_profile(self) -> None:
         self._require_profiler()

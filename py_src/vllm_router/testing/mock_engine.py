@@ -31,6 +31,7 @@ from ..engine import (
     Embedding,
     EngineStep,
     GenerationRequest,
+    KvEventBatch,
     LoadSnapshot,
     LoraAdapter,
     ModelFacts,
@@ -150,6 +151,10 @@ class MockAsyncEngine:
 
     async def unload_lora_adapter(self, name: str) -> None:
         raise Unsupported(NO_LORA)
+
+    async def kv_events(self) -> AsyncGenerator[KvEventBatch, None]:
+        raise Unsupported("the mock engine publishes no KV cache events")
+        yield  # pragma: no cover - makes this an async generator
 
     async def start_profile(self) -> None:
         raise Unsupported("the mock engine has no profiler")

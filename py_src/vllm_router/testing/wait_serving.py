@@ -1,6 +1,6 @@
 """Exit 0 when a gRPC server at ADDRESS reports SERVING on grpc.health.v1, else 1.
 
-    python -m vllm_router.testing.wait_serving HOST:PORT
+python -m vllm_router.testing.wait_serving HOST:PORT
 """
 
 from __future__ import annotations

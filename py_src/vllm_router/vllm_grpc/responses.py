@@ -14,7 +14,15 @@ from datetime import datetime, timezone
 from smg_grpc_proto.generated import common_pb2
 from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 
-from ..engine import EngineStep, ModelFacts, RankLoad, TokenLogprob
+from ..engine import (
+    EngineStep,
+    KvBlocksRemoved,
+    KvBlocksStored,
+    KvEventBatch,
+    ModelFacts,
+    RankLoad,
+    TokenLogprob,
+)
 
 # The router reads the tokenizer bundle in chunks of this size.
 TOKENIZER_CHUNK_BYTES = 64 * 1024
@@ -150,6 +158,31 @@ def loads(ranks: list[RankLoad], max_running: int, version: str) -> vpb.GetLoads
             for r in ranks
         ],
     )
+
+
+def kv_event_batch(batch: KvEventBatch, event_ids: Iterator[int]) -> common_pb2.KvEventBatch:
+    message = common_pb2.KvEventBatch(sequence_number=batch.sequence, timestamp=batch.timestamp)
+    if batch.dp_rank is not None:
+        message.dp_rank = batch.dp_rank
+    for event in batch.events:
+        entry = message.events.add(event_id=next(event_ids))
+        if isinstance(event, KvBlocksStored):
+            size = event.block_size
+            for i, block_hash in enumerate(event.block_hashes):
+                block = entry.stored.blocks.add(
+                    block_hash=block_hash,
+                    token_ids=event.token_ids[i * size : (i + 1) * size],
+                    block_size=size,
+                )
+                if event.lora_id is not None:
+                    block.lora_id = event.lora_id
+            if event.parent_block_hash is not None:
+                entry.stored.parent_block_hash = event.parent_block_hash
+        elif isinstance(event, KvBlocksRemoved):
+            entry.removed.block_hashes.extend(event.block_hashes)
+        else:
+            entry.cleared.SetInParent()
+    return message
 
 
 def tokenizer_zip(files: list[tuple[str, bytes]]) -> bytes:

@@ -8,6 +8,7 @@ mapped by `rpc.handles_errors` exactly as for vllm.engine.v1.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections.abc import AsyncIterator
 from typing import TypeAlias
@@ -19,17 +20,13 @@ from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vpb_grpc
 
 from ..convert import checked_request_id, trace_headers
 from ..engine import AsyncEngine, EngineStep, TokenLogprob
-from ..errors import Unsupported
+from ..errors import NotConfigured, Unsupported
 from ..rpc import handles_errors
 from ..serving import RequestTable, ServingState
 from . import convert, responses
 
 SERVICE_NAME = vpb.DESCRIPTOR.services_by_name["VllmEngine"].full_name
 Context: TypeAlias = grpc.aio.ServicerContext
-NO_KV_EVENTS = (
-    "KV cache events are not relayed by this worker: route without cache-aware "
-    "KV events (the router falls back to its own prefix tree)"
-)
 
 
 class _Sample:
@@ -187,5 +184,14 @@ class VllmGrpcServicer(vpb_grpc.VllmEngineServicer):
     async def SubscribeKvEvents(
         self, request: common_pb2.SubscribeKvEventsRequest, context: Context
     ) -> AsyncIterator[common_pb2.KvEventBatch]:
-        raise Unsupported(NO_KV_EVENTS)
-        yield  # pragma: no cover - makes this a streaming handler
+        await self._state.require_engine()
+        batches = self._engine.kv_events()
+        event_ids = itertools.count()
+        try:
+            async for batch in batches:
+                yield responses.kv_event_batch(batch, event_ids)
+        except NotConfigured as exc:
+            # As vLLM's own server: the router disables KV-event routing on UNIMPLEMENTED.
+            raise Unsupported(exc.message) from exc
+        finally:
+            await batches.aclose()

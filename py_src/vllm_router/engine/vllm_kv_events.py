@@ -1,0 +1,89 @@
+"""vLLM's KV-cache event publisher (ZMQ, `--kv-events-config`) read as neutral batches.
+
+vLLM's engine core publishes each step's prefix-cache changes as a msgpack
+`KVEventBatch` in a ZMQ multipart message (topic, 8-byte sequence number, payload).
+Each subscriber gets its own SUB socket; hashes become signed 64-bit integers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator
+from typing import Any
+
+from ..errors import NotConfigured
+from .types import KvBlocksRemoved, KvBlocksStored, KvCacheCleared, KvEventBatch
+
+NOT_ENABLED = (
+    "KV cache events are not published by this engine: start it with --kv-events-config "
+    '\'{"enable_kv_cache_events": true, "publisher": "zmq"}\''
+)
+
+
+def zmq_endpoint(config: Any, dp_rank: int = 0) -> str:
+    """Where a subscriber connects: vLLM's bind endpoint, with `*` as loopback, per DP rank.
+
+    vLLM's publisher binds wildcard and ipc endpoints and connects to any other (a remote
+    collector): only a bound publisher can be subscribed to from here.
+    """
+    from vllm.distributed.kv_events import ZmqEventPublisher
+
+    if config is None or not config.enable_kv_cache_events or config.publisher != "zmq":
+        raise NotConfigured(NOT_ENABLED)
+    endpoint = str(ZmqEventPublisher.offset_endpoint_port(config.endpoint, dp_rank))
+    if not ZmqEventPublisher._is_bind_endpoint(endpoint):
+        raise NotConfigured(
+            f"vLLM publishes KV cache events to the collector at {endpoint}; to subscribe "
+            "through this worker give --kv-events-config a bind endpoint (tcp://*:PORT or ipc://)"
+        )
+    return endpoint.replace("*", "127.0.0.1")
+
+
+def to_int64(block_hash: bytes | int) -> int:
+    """A block hash as the signed 64-bit integer the wire carries."""
+    if isinstance(block_hash, bytes):
+        return int.from_bytes(block_hash[:8], "big", signed=True)
+    return (block_hash + 2**63) % 2**64 - 2**63
+
+
+def _event(event: Any) -> KvBlocksStored | KvBlocksRemoved | KvCacheCleared:
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored
+
+    if isinstance(event, BlockStored):
+        parent = event.parent_block_hash
+        return KvBlocksStored(
+            block_hashes=tuple(to_int64(h) for h in event.block_hashes),
+            parent_block_hash=None if parent is None else to_int64(parent),
+            token_ids=tuple(event.token_ids),
+            block_size=event.block_size,
+            lora_id=event.lora_id,
+        )
+    if isinstance(event, BlockRemoved):
+        return KvBlocksRemoved(block_hashes=tuple(to_int64(h) for h in event.block_hashes))
+    return KvCacheCleared()
+
+
+async def kv_event_batches(config: Any, topic: str = "") -> AsyncGenerator[KvEventBatch, None]:
+    """Batches from the publisher of DP rank 0, from now on, until the consumer stops."""
+    import msgspec
+    import zmq
+    import zmq.asyncio
+    from vllm.distributed.kv_events import KVEventBatch as VllmBatch
+
+    endpoint = zmq_endpoint(config)
+    decoder = msgspec.msgpack.Decoder(type=VllmBatch)
+    context = zmq.asyncio.Context.instance()
+    socket = context.socket(zmq.SUB)
+    try:
+        socket.connect(endpoint)
+        socket.setsockopt_string(zmq.SUBSCRIBE, topic)
+        while True:
+            _, sequence, payload = await socket.recv_multipart()
+            batch = decoder.decode(payload)
+            yield KvEventBatch(
+                sequence=int.from_bytes(sequence, "big"),
+                timestamp=batch.ts,
+                dp_rank=batch.data_parallel_rank,
+                events=tuple(_event(e) for e in batch.events),
+            )
+    finally:
+        socket.close(linger=0)
