@@ -27,7 +27,19 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 BIN = Path(sys.executable).parent
 ENGINE_FLAGS = ["--gpu-memory-utilization", "0.3", "--enforce-eager"]
-TARGETS = ("engine", "ours", "vllm-grpc", "vllm-http", "ours-mock", "grpc-floor")
+TARGETS = (
+    "engine",
+    "ours",
+    "vllm-grpc",
+    "vllm-http",
+    "router-ours",
+    "router-vllm-grpc",
+    "ours-mock",
+    "grpc-floor",
+)
+# Router targets: the SMG router (OpenAI streaming chat) in front of this worker target.
+ROUTED = {"router-ours": "ours", "router-vllm-grpc": "vllm-grpc"}
+SMG = ROOT / ".venv-router" / "bin" / "smg"
 
 
 def warm_up(workload: Workload) -> Workload:
@@ -102,14 +114,48 @@ def grpc_channel(address: str):
     return grpc.aio.insecure_channel(address)
 
 
+async def _spawn_router(args: argparse.Namespace, worker: str) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    command = [str(SMG), "launch", "--host", "127.0.0.1", "--port", str(port), "--worker-urls",
+               f"grpc://{worker}", "--model-path", args.model, "--backend", "vllm",
+               "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]  # fmt: skip
+    process = _start_logged(command, args.out / "router.log")
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"the router exited with {process.returncode}: see router.log")
+        with contextlib.suppress(Exception):
+            if b'"data":[{' in await asyncio.to_thread(_http_body, base + "/v1/models"):
+                return process, base
+        await asyncio.sleep(1)
+    process.kill()
+    raise RuntimeError("the router was not ready after 120s")
+
+
+def _start_logged(command: list[str], log_path: Path) -> subprocess.Popen:
+    with open(log_path, "w") as log:
+        return subprocess.Popen(command, stdout=log, stderr=log)
+
+
+def _http_body(url: str) -> bytes:
+    with urllib.request.urlopen(url, timeout=2) as response:
+        return response.read()
+
+
 async def measure_server(
     target: str, args: argparse.Namespace, levels: list[Workload]
 ) -> list[dict]:
     port = free_port()
     address = f"127.0.0.1:{port}"
-    process = _spawn(target, args, port)
+    worker = ROUTED.get(target, target)
+    process = _spawn(worker, args, port)
+    router: subprocess.Popen | None = None
     try:
-        await wait_ready(target, address, process, timeout=300)
+        await wait_ready(worker, address, process, timeout=300)
+        if target in ROUTED:
+            router, base = await _spawn_router(args, address)
+            address = base
         results = []
         for workload in levels:
             make = {
@@ -118,6 +164,8 @@ async def measure_server(
                 "grpc-floor": clients.ours,
                 "vllm-grpc": clients.vllm_grpc,
                 "vllm-http": clients.vllm_http,
+                "router-ours": clients.openai_chat,
+                "router-vllm-grpc": clients.openai_chat,
             }[target]
             close, one = make(f"http://{address}" if target == "vllm-http" else address, workload)
             try:
@@ -128,13 +176,17 @@ async def measure_server(
             result = summarize(target, workload, records, wall)
             # What each server does with text: vLLM's gRPC launcher never detokenizes,
             # its HTTP server always does; ours and the engine do as the workload asks.
+            # Through the router: it detokenizes; the workers send token ids.
             result["text"] = {"vllm-grpc": False, "vllm-http": True}.get(
-                target, not workload.skip_detokenize
+                target, True if target in ROUTED else not workload.skip_detokenize
             )
             print(json.dumps(result), flush=True)
             results.append(result)
         return results
     finally:
+        if router is not None:
+            router.terminate()
+            router.wait(30)
         process.terminate()
         try:
             process.wait(60)

@@ -124,3 +124,47 @@ def vllm_http(base: str, workload: Workload) -> tuple[Callable[[], Awaitable[Non
                     record.message(len(ids))
 
     return session.close, one
+
+
+def openai_chat(base: str, workload: Workload) -> tuple[Callable[[], Awaitable[None]], OneRequest]:
+    """OpenAI streaming chat (through a router): one user message of `prompt_len` words."""
+    import aiohttp
+
+    session = aiohttp.ClientSession(
+        timeout=aiohttp.ClientTimeout(total=600),
+        connector=aiohttp.TCPConnector(limit=0),
+    )
+    model_holder: list[str] = []
+
+    async def one(i: int, prompt: list[int], record: Record) -> None:
+        if not model_holder:
+            async with session.get(base + "/v1/models") as response:
+                model_holder.append((await response.json())["data"][0]["id"])
+        body = {
+            "model": model_holder[0],
+            "messages": [{"role": "user", "content": " ".join(f"w{t}" for t in prompt)}],
+            "max_tokens": workload.output_len,
+            "temperature": workload.temperature,
+            "ignore_eos": True,
+            "seed": i,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        seen = 0
+        async with session.post(base + "/v1/chat/completions", json=body) as response:
+            response.raise_for_status()
+            async for raw in response.content:
+                line = raw.strip()
+                if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                usage = chunk.get("usage")
+                if usage and usage.get("completion_tokens", 0) > seen:
+                    record.message(usage["completion_tokens"] - seen)  # tokens not yet counted
+                    seen = usage["completion_tokens"]
+                for choice in chunk.get("choices") or []:
+                    if (choice.get("delta") or {}).get("content"):
+                        record.message(1)  # a content delta carries one token here
+                        seen += 1
+
+    return session.close, one

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+import grpc
 import pytest
 from smg_grpc_proto.generated import common_pb2
 from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
@@ -58,3 +59,7 @@ async def test_prefix_cache_events_are_relayed(real: Harness) -> None:
     events.cancel()
     info = await stub.GetServerInfo(vpb.GetServerInfoRequest())
     assert info.server_type == "vllm-grpc"
+    with pytest.raises(grpc.aio.AioRpcError) as err:  # no --profiler-config on this engine
+        await stub.StartProfile(common_pb2.StartProfileRequest())
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "--profiler-config" in err.value.details()

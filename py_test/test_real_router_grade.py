@@ -10,6 +10,8 @@ from typing import Any
 
 import grpc
 import pytest
+from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
+from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vpb_grpc
 from test_parity_router_grade import ensure_lora
 
 from vllm_router.proto import vllm_engine_pb2 as pb
@@ -205,6 +207,14 @@ async def test_embeddings_match_vllm_and_generation_is_refused(
         assert all(
             math.isclose(a, b, abs_tol=1e-5)
             for a, b in zip(ours.embedding, theirs[0]["embedding"], strict=True)
+        )
+        official = await vpb_grpc.VllmEngineStub(real_embed.channel).Embed(
+            vpb.EmbedRequest(request_id=f"v{i}", tokenized=vpb.TokenizedInput(input_ids=prompt))
+        )
+        assert list(official.embedding) == list(ours.embedding)
+        assert (official.prompt_tokens, official.embedding_dim) == (
+            len(prompt),
+            len(ours.embedding),
         )
     info = await real_embed.stub.GetModelInfo(pb.GetModelInfoRequest())
     assert not info.is_generation
