@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import grpc
 from workload import Record, Workload
@@ -87,22 +88,40 @@ def vllm_grpc(address: str, workload: Workload) -> tuple[Callable[[], Awaitable[
     return channel.close, one
 
 
-def vllm_http(base: str, workload: Workload) -> tuple[Callable[[], Awaitable[None]], OneRequest]:
-    """vLLM's OpenAI server: /v1/completions with stream=true (SSE)."""
+def _openai_session(base: str) -> tuple[Any, Callable[[], Awaitable[str]]]:
+    """An HTTP session for an OpenAI-style server, and the name of the model it serves."""
     import aiohttp
 
     session = aiohttp.ClientSession(
         timeout=aiohttp.ClientTimeout(total=600),
         connector=aiohttp.TCPConnector(limit=0),
     )
-    model_holder: list[str] = []
+    served: list[str] = []
+
+    async def served_model() -> str:
+        if not served:
+            async with session.get(base + "/v1/models") as response:
+                served.append((await response.json())["data"][0]["id"])
+        return served[0]
+
+    return session, served_model
+
+
+async def _sse(response: Any) -> AsyncIterator[dict]:
+    """The JSON of each `data:` event of a server-sent-events response, until [DONE]."""
+    async for raw in response.content:
+        line = raw.strip()
+        if line.startswith(b"data: ") and line != b"data: [DONE]":
+            yield json.loads(line[6:])
+
+
+def vllm_http(base: str, workload: Workload) -> tuple[Callable[[], Awaitable[None]], OneRequest]:
+    """vLLM's OpenAI server: /v1/completions with stream=true (SSE)."""
+    session, served_model = _openai_session(base)
 
     async def one(i: int, prompt: list[int], record: Record) -> None:
-        if not model_holder:
-            async with session.get(base + "/v1/models") as response:
-                model_holder.append((await response.json())["data"][0]["id"])
         body = {
-            "model": model_holder[0],
+            "model": await served_model(),
             "prompt": prompt,
             "max_tokens": workload.output_len,
             "temperature": workload.temperature,
@@ -113,11 +132,7 @@ def vllm_http(base: str, workload: Workload) -> tuple[Callable[[], Awaitable[Non
         }
         async with session.post(base + "/v1/completions", json=body) as response:
             response.raise_for_status()
-            async for raw in response.content:
-                line = raw.strip()
-                if not line.startswith(b"data: ") or line == b"data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
+            async for chunk in _sse(response):
                 choices = chunk.get("choices") or []
                 if choices:
                     ids = choices[0].get("token_ids") or []
@@ -128,20 +143,11 @@ def vllm_http(base: str, workload: Workload) -> tuple[Callable[[], Awaitable[Non
 
 def openai_chat(base: str, workload: Workload) -> tuple[Callable[[], Awaitable[None]], OneRequest]:
     """OpenAI streaming chat (through a router): one user message of `prompt_len` words."""
-    import aiohttp
-
-    session = aiohttp.ClientSession(
-        timeout=aiohttp.ClientTimeout(total=600),
-        connector=aiohttp.TCPConnector(limit=0),
-    )
-    model_holder: list[str] = []
+    session, served_model = _openai_session(base)
 
     async def one(i: int, prompt: list[int], record: Record) -> None:
-        if not model_holder:
-            async with session.get(base + "/v1/models") as response:
-                model_holder.append((await response.json())["data"][0]["id"])
         body = {
-            "model": model_holder[0],
+            "model": await served_model(),
             "messages": [{"role": "user", "content": " ".join(f"w{t}" for t in prompt)}],
             "max_tokens": workload.output_len,
             "temperature": workload.temperature,
@@ -153,11 +159,7 @@ def openai_chat(base: str, workload: Workload) -> tuple[Callable[[], Awaitable[N
         seen = 0
         async with session.post(base + "/v1/chat/completions", json=body) as response:
             response.raise_for_status()
-            async for raw in response.content:
-                line = raw.strip()
-                if not line.startswith(b"data: ") or line == b"data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
+            async for chunk in _sse(response):
                 usage = chunk.get("usage")
                 if usage and usage.get("completion_tokens", 0) > seen:
                     record.message(usage["completion_tokens"] - seen)  # tokens not yet counted

@@ -10,7 +10,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from vllm_router.testing.wait_serving import serving
@@ -34,14 +34,24 @@ def _stop(process: subprocess.Popen) -> None:
         process.kill()
 
 
-def _wait(process: subprocess.Popen, ready: object, what: str, log: Path) -> None:
-    deadline = time.monotonic() + START_TIMEOUT
-    while not ready():  # type: ignore[operator]
-        if process.poll() is not None:
-            raise AssertionError(f"{what} exited with {process.returncode}: see {log}")
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} not ready in {START_TIMEOUT} s: see {log}")
-        time.sleep(0.5)
+@contextlib.contextmanager
+def _running(
+    command: list[str], log: Path, ready: Callable[[], bool], what: str
+) -> Iterator[subprocess.Popen]:
+    """Run `command` (output to `log`) until the block ends; enter once `ready()` holds."""
+    with open(log, "w") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + START_TIMEOUT
+            while not ready():
+                if process.poll() is not None:
+                    raise AssertionError(f"{what} exited with {process.returncode}: see {log}")
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"{what} not ready in {START_TIMEOUT} s: see {log}")
+                time.sleep(0.5)
+            yield process
+        finally:
+            _stop(process)
 
 
 def _http_models_ready(base: str) -> bool:
@@ -59,14 +69,9 @@ def vllm_grpc_server(model: Path, engine_flags: dict[str, object], log: Path) ->
     launcher = "vllm.entrypoints.launchers.grpc_server"
     command = [sys.executable, "-m", launcher, "--model", str(model), "--host", "127.0.0.1",
                "--port", str(port), *cli_flags(engine_flags)]  # fmt: skip
-    with open(log, "w") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
-        address = f"127.0.0.1:{port}"
-        try:
-            _wait(process, lambda: serving(address), "vLLM's gRPC server", log)
-            yield address
-        finally:
-            _stop(process)
+    address = f"127.0.0.1:{port}"
+    with _running(command, log, lambda: serving(address), "vLLM's gRPC server"):
+        yield address
 
 
 @contextlib.contextmanager
@@ -79,14 +84,9 @@ def smg_router(workers: list[str], model: Path, log: Path, *extra: str) -> Itera
                "--worker-urls", *(f"grpc://{w}" for w in workers), "--model-path", str(model),
                "--backend", "vllm", "--prometheus-host", "127.0.0.1",
                "--prometheus-port", str(metrics_port), *extra]  # fmt: skip
-    with open(log, "w") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
-        base = f"http://127.0.0.1:{port}"
-        try:
-            _wait(process, lambda: _http_models_ready(base), "the smg router", log)
-            yield base
-        finally:
-            _stop(process)
+    base = f"http://127.0.0.1:{port}"
+    with _running(command, log, lambda: _http_models_ready(base), "the smg router"):
+        yield base
 
 
 def openai_post(base: str, path: str, body: dict) -> tuple[int, dict]:
