@@ -108,7 +108,7 @@ endif
 # in front of it, serving OpenAI's API. Ctrl-C stops both.
 router: install
 	$(BIN)/python -m vllm_router.testing.tiny_model $(TINY_MODEL_DIR)
-	$(CPU_ENV) $(BIN)/vllm-servicer --model $(TINY_MODEL_DIR) --host 127.0.0.1 --port $(PORT) \
+	@$(CPU_ENV) $(BIN)/vllm-servicer --model $(TINY_MODEL_DIR) --host 127.0.0.1 --port $(PORT) \
 		--max-model-len 512 $(ENGINE_MEMORY) --enforce-eager & servicer=$$!; \
 	trap "kill $$servicer 2>/dev/null" EXIT; \
 	until $(BIN)/python -m vllm_router.testing.wait_serving 127.0.0.1:$(PORT); do \
