@@ -41,6 +41,18 @@ def check_supported(s: SamplingOptions) -> None:
         raise Unsupported(f"the mock engine does not implement {', '.join(unsupported)}")
 
 
+def cached_prefix(cached_blocks: set[tuple[int, ...]], prompt: list[int], block_size: int) -> int:
+    """Prompt tokens in whole blocks seen before (then remembers this prompt's blocks)."""
+    cached = 0
+    for end in range(block_size, len(prompt) + 1, block_size):
+        key = tuple(prompt[:end])
+        if key in cached_blocks:
+            cached = end
+        else:
+            cached_blocks.add(key)
+    return cached
+
+
 class SampleDecoder:
     def __init__(
         self,

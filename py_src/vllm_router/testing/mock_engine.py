@@ -40,7 +40,7 @@ from ..engine import (
 from ..engine.types import FinishReason
 from ..errors import EngineUnavailable, InvalidRequest, Unsupported
 from .mock_config import MockConfig
-from .mock_decode import SampleDecoder, check_supported
+from .mock_decode import SampleDecoder, cached_prefix, check_supported
 from .mock_sampling import mock_logprobs, validate_sampling
 
 NO_LORA = "the mock engine has no LoRA adapters"
@@ -223,17 +223,6 @@ class MockAsyncEngine:
             return False
         return got_slot
 
-    def _cached_prefix(self, prompt: list[int]) -> int:
-        block = self._facts.block_size
-        cached = 0
-        for end in range(block, len(prompt) + 1, block):
-            key = tuple(prompt[:end])
-            if key in self._cached_blocks:
-                cached = end
-            else:
-                self._cached_blocks.add(key)
-        return cached
-
     def _die_if_due(self) -> None:
         self._tokens_produced += 1
         limit = self.config.die_after_tokens
@@ -245,7 +234,7 @@ class MockAsyncEngine:
     async def _decode(self, state: _Request) -> AsyncGenerator[EngineStep, None]:
         request = state.request
         s = request.sampling
-        cached = self._cached_prefix(state.prompt)
+        cached = cached_prefix(self._cached_blocks, state.prompt, self._facts.block_size)
         active = [
             SampleDecoder(
                 i, state.prompt, s, self._facts, self.config.eos_token_id, request.detokenize
