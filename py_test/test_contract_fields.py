@@ -13,11 +13,13 @@ import inspect
 
 import pytest
 from google.protobuf.descriptor import FieldDescriptor
+from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 
 from vllm_router import convert
 from vllm_router.engine import GenerationRequest, ModelFacts, SamplingOptions
 from vllm_router.errors import ServicerError
 from vllm_router.proto import vllm_engine_pb2 as pb
+from vllm_router.vllm_grpc import convert as official_convert
 
 from harness import require
 
@@ -105,3 +107,58 @@ def test_the_vllm_adapter_passes_every_sampling_field_to_vllm() -> None:
     read |= vllm_params._BUILT
     assert read == {f.name for f in dataclasses.fields(SamplingOptions)}
     assert read <= accepted, read - accepted
+
+
+# -- vLLM's official contract (vllm.grpc.engine) ---------------------------------------------------
+
+# Handled by the servicer, not by the request conversion (with the reason).
+OFFICIAL_SERVICER_FIELDS = {"stream": "chunks and a complete per sample, or one complete"}
+OFFICIAL_VALUES = {
+    "sampling_params": vpb.SamplingParams(max_tokens=3),
+    "tokenized": vpb.TokenizedInput(input_ids=[4, 5]),
+    "choice": vpb.ChoiceConstraint(choices=["a"]),
+    "kv_transfer_params": vpb.KvTransferParams(remote_host="h", remote_port=1),
+}
+
+
+def _set_official(message: object, field: FieldDescriptor) -> None:
+    # 2, not 1: an `n` of 1 (or a top_k of 1...) is a value the conversion may also default to.
+    if field.cpp_type in (FieldDescriptor.CPPTYPE_INT32, FieldDescriptor.CPPTYPE_UINT32):
+        if field.is_repeated:
+            getattr(message, field.name).append(2)
+        else:
+            setattr(message, field.name, 2)
+    elif field.name in OFFICIAL_VALUES:
+        getattr(message, field.name).CopyFrom(OFFICIAL_VALUES[field.name])
+    elif field.message_type is not None and not field.message_type.GetOptions().map_entry:
+        target = getattr(message, field.name)
+        (target.add() if field.is_repeated else target).SetInParent()
+    else:
+        _set_non_default(message, field)
+
+
+def _official(request: vpb.GenerateRequest) -> GenerationRequest | str:
+    try:
+        return official_convert.to_generation_request(request, FACTS, None)
+    except ServicerError as exc:
+        return exc.code.name
+
+
+@pytest.mark.parametrize("field", list(vpb.SamplingParams.DESCRIPTOR.fields), ids=lambda f: f.name)
+def test_every_official_sampling_field_is_used_or_refused(field: FieldDescriptor) -> None:
+    base = vpb.GenerateRequest(request_id="r", tokenized=vpb.TokenizedInput(input_ids=[1, 2, 3]))
+    changed = vpb.GenerateRequest()
+    changed.CopyFrom(base)
+    _set_official(changed.sampling_params, field)
+    assert _official(changed) != _official(base), f"sampling_params.{field.name} is ignored"
+
+
+@pytest.mark.parametrize("field", list(vpb.GenerateRequest.DESCRIPTOR.fields), ids=lambda f: f.name)
+def test_every_official_request_field_is_used_or_refused(field: FieldDescriptor) -> None:
+    if field.name in OFFICIAL_SERVICER_FIELDS:
+        pytest.skip(OFFICIAL_SERVICER_FIELDS[field.name])
+    base = vpb.GenerateRequest(request_id="r", tokenized=vpb.TokenizedInput(input_ids=[1, 2, 3]))
+    changed = vpb.GenerateRequest()
+    changed.CopyFrom(base)
+    _set_official(changed, field)
+    assert _official(changed) != _official(base), f"GenerateRequest.{field.name} is ignored"
