@@ -41,7 +41,7 @@ help:
 	@echo "make router  the servicer on the tiny model + the SMG router: OpenAI API on $(HOST):$(ROUTER_PORT)"
 	@echo "make stress  the soak/storm/fuzz suites at full scale"
 	@echo "make bench   benchmark ours vs vLLM's HTTP and gRPC servers vs the engine alone"
-	@echo "make lint    ruff format --check + ruff check + mypy"
+	@echo "make lint    ruff format --check + ruff check + mypy + buf lint + buf breaking"
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -124,10 +124,15 @@ bench: install
 	$(BIN)/pip install -q matplotlib 2>&1 | $(QUIET_PIP)
 	cd benchmarks && $(CPU_ENV) ../$(BIN)/python bench.py $(BENCH_ARGS)
 
+# The contract is compared with the previous release tag, else the merge base with main.
+BUF_AGAINST ?= $(shell git describe --tags --abbrev=0 2>/dev/null || git merge-base HEAD origin/main 2>/dev/null || git rev-parse HEAD)
+
 lint: install
 	$(BIN)/ruff format --check py_src py_test benchmarks
 	$(BIN)/ruff check py_src py_test benchmarks
 	$(BIN)/mypy
+	$(BIN)/buf lint
+	$(BIN)/buf breaking --against ".git#ref=$(BUF_AGAINST),subdir=proto"
 
 format: install
 	$(BIN)/ruff format py_src py_test benchmarks
