@@ -16,7 +16,7 @@ from pathlib import Path
 from vllm_router.testing.wait_serving import serving
 
 from real_engine import ROOT, cli_flags
-from vllm_servers import START_TIMEOUT, free_port
+from vllm_servers import START_TIMEOUT, free_port, stop_process_group
 
 ROUTER_VENV = ROOT / ".venv-router"
 
@@ -26,21 +26,15 @@ def smg_path() -> str | None:
     return str(beside) if beside.exists() else shutil.which("smg")
 
 
-def _stop(process: subprocess.Popen) -> None:
-    process.terminate()
-    try:
-        process.wait(30)
-    except subprocess.TimeoutExpired:
-        process.kill()
-
-
 @contextlib.contextmanager
 def _running(
     command: list[str], log: Path, ready: Callable[[], bool], what: str
 ) -> Iterator[subprocess.Popen]:
     """Run `command` (output to `log`) until the block ends; enter once `ready()` holds."""
     with open(log, "w") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(
+            command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
         try:
             deadline = time.monotonic() + START_TIMEOUT
             while not ready():
@@ -51,7 +45,7 @@ def _running(
                 time.sleep(0.5)
             yield process
         finally:
-            _stop(process)
+            stop_process_group(process)
 
 
 def _http_models_ready(base: str) -> bool:

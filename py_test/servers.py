@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import re
+import signal
 import sys
 from dataclasses import dataclass, field
 
@@ -33,8 +36,18 @@ class ServerProcess:
         return code
 
     def kill(self) -> None:
+        """SIGKILL the server and everything it started (vLLM's engine-core processes would
+        otherwise outlive it and keep their memory)."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+
+    async def stop(self, timeout: float = 60.0) -> None:
+        """SIGTERM (the server drains and shuts its engine down), then kill what is left."""
         if self.process.returncode is None:
-            self.process.kill()
+            self.process.send_signal(signal.SIGTERM)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.process.wait(), timeout)
+        self.kill()
 
 
 def command(*args: str, without_vllm: bool = False) -> list[str]:
@@ -48,6 +61,7 @@ async def start(*args: str, without_vllm: bool = False, timeout: float = 60.0) -
         *command(*args, without_vllm=without_vllm),
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.STDOUT,
+        start_new_session=True,  # its own process group: kill() reaches its children
     )
     log: list[str] = []
     assert process.stdout is not None
@@ -69,7 +83,8 @@ async def start(*args: str, without_vllm: bool = False, timeout: float = 60.0) -
     try:
         port = await asyncio.wait_for(until_ready(), timeout)
     except BaseException:
-        process.kill()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
         raise
 
     async def pump() -> None:

@@ -50,7 +50,7 @@ async def test_two_workers_cache_aware_routing_and_failover(figures) -> None:
             await _scenario(base, str(model), workers, figures)
     finally:
         for worker in workers:
-            worker.kill()
+            await worker.stop()
 
 
 async def _scenario(base: str, model: str, workers: list, figures) -> None:

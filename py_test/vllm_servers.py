@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import signal
 import socket
 import subprocess
 import sys
@@ -68,17 +70,25 @@ def vllm_openai_server(
             ],
             stdout=log,
             stderr=subprocess.STDOUT,
+            start_new_session=True,  # its own process group: see stop_process_group
         )
         base = f"http://127.0.0.1:{port}"
         try:
             _wait_healthy(process, base, log_path)
             yield base
         finally:
-            process.terminate()
-            try:
-                process.wait(30)
-            except subprocess.TimeoutExpired:
-                process.kill()
+            stop_process_group(process)
+
+
+def stop_process_group(process: subprocess.Popen) -> None:
+    """SIGTERM, then SIGKILL the whole process group (vLLM's engine processes included)."""
+    process.terminate()
+    try:
+        process.wait(30)
+    except subprocess.TimeoutExpired:
+        pass
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
 
 
 def _wait_healthy(process: subprocess.Popen, base: str, log_path: Path) -> None:
