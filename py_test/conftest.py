@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
@@ -106,13 +104,8 @@ async def router_ours(real: Harness) -> AsyncIterator[str]:
     require(routers.smg_path() is not None, "smg is not installed (make test)")
     assert real.model_dir is not None
     log = real.model_dir.parent / "router-ours.log"
-    with contextlib.ExitStack() as stack:
-        router = routers.smg_router([real.address], real.model_dir, log)
-        base = await asyncio.to_thread(stack.enter_context, router)
-        try:
-            yield base
-        finally:
-            await asyncio.to_thread(stack.close)
+    async with routers.smg_router_in_thread([real.address], real.model_dir, log) as base:
+        yield base
 
 
 @pytest.fixture(scope="session")

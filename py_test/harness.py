@@ -34,9 +34,14 @@ def require(condition: bool, reason: str) -> None:
         pytest.skip(reason)
 
 
+def tool_path(name: str, directory: Path | None = None) -> str | None:
+    """An installed command: in `directory` (default: beside this Python), else on PATH."""
+    beside = (directory or Path(sys.executable).parent) / name
+    return str(beside) if beside.exists() else shutil.which(name)
+
+
 def grpcurl_path() -> str | None:
-    beside_python = Path(sys.executable).parent / "grpcurl"
-    return str(beside_python) if beside_python.exists() else shutil.which("grpcurl")
+    return tool_path("grpcurl")
 
 
 @dataclass

@@ -2,19 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
-import shutil
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 from vllm_router.testing.wait_serving import serving
 
+from harness import tool_path
 from real_engine import ROOT, cli_flags
 from vllm_servers import START_TIMEOUT, free_port, stop_process_group
 
@@ -22,8 +23,7 @@ ROUTER_VENV = ROOT / ".venv-router"
 
 
 def smg_path() -> str | None:
-    beside = ROUTER_VENV / "bin" / "smg"
-    return str(beside) if beside.exists() else shutil.which("smg")
+    return tool_path("smg", ROUTER_VENV / "bin")
 
 
 @contextlib.contextmanager
@@ -81,6 +81,21 @@ def smg_router(workers: list[str], model: Path, log: Path, *extra: str) -> Itera
     base = f"http://127.0.0.1:{port}"
     with _running(command, log, lambda: _http_models_ready(base), "the smg router"):
         yield base
+
+
+@contextlib.asynccontextmanager
+async def smg_router_in_thread(
+    workers: list[str], model: Path, log: Path, *extra: str
+) -> AsyncIterator[str]:
+    """`smg_router`, started and stopped in a thread: this event loop keeps running, so
+    in-process workers (and subprocess pipes read by this loop) are served meanwhile."""
+    with contextlib.ExitStack() as stack:
+        router = smg_router(workers, model, log, *extra)
+        base = await asyncio.to_thread(stack.enter_context, router)
+        try:
+            yield base
+        finally:
+            await asyncio.to_thread(stack.close)
 
 
 def openai_post(base: str, path: str, body: dict) -> tuple[int, dict]:

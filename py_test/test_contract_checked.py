@@ -4,21 +4,15 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
-from harness import require
+from harness import require, tool_path
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _buf() -> str | None:
-    beside = Path(sys.executable).parent / "buf"
-    return str(beside) if beside.exists() else shutil.which("buf")
-
-
 def _run(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
-    buf = _buf()
+    buf = tool_path("buf")
     require(buf is not None, "buf is not installed (make install: buf-bin)")
     assert buf is not None
     return subprocess.run([buf, *args], cwd=cwd, capture_output=True, text=True, timeout=120)

@@ -4,7 +4,6 @@ SIGTERM drains streams the router is relaying; a dead engine is an error, never 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import signal
 import time
@@ -13,7 +12,7 @@ import urllib.request
 import servers
 from harness import require
 from real_engine import tiny_model
-from routers import openai_post, smg_path, smg_router
+from routers import openai_post, smg_path, smg_router_in_thread
 
 CHAT = "/v1/chat/completions"
 
@@ -52,12 +51,11 @@ async def test_sigterm_while_the_router_streams() -> None:
     worker = await servers.start(*_mock_worker_flags(model, "--mock-step-delay", "0.02",
                                                      "--shutdown-grace-seconds", "30"))  # fmt: skip
     try:
-        with contextlib.ExitStack() as stack:
-            log = tiny_model().parent / "router-lc.log"
-            router = smg_router([worker.address], tiny_model(), log,
-                                "--health-check-interval-secs", "1",
-                                "--health-failure-threshold", "1")  # fmt: skip
-            base = await asyncio.to_thread(stack.enter_context, router)
+        log = tiny_model().parent / "router-lc.log"
+        async with smg_router_in_thread(
+            [worker.address], tiny_model(), log,
+            "--health-check-interval-secs", "1", "--health-failure-threshold", "1",
+        ) as base:  # fmt: skip
             events = await asyncio.to_thread(_stream_after_sigterm, base, _body(model, 120), worker)
             finish = [
                 c["finish_reason"] for e in events for c in e["choices"] if c["finish_reason"]
@@ -77,10 +75,10 @@ async def test_engine_death_is_an_error_through_the_router() -> None:
     worker = await servers.start(*_mock_worker_flags(model, "--mock-step-delay", "0.01",
                                                      "--mock-die-after-tokens", "20"))  # fmt: skip
     try:
-        with contextlib.ExitStack() as stack:
-            log = tiny_model().parent / "router-dead.log"
-            router = smg_router([worker.address], tiny_model(), log, "--disable-retries")
-            base = await asyncio.to_thread(stack.enter_context, router)
+        log = tiny_model().parent / "router-dead.log"
+        async with smg_router_in_thread(
+            [worker.address], tiny_model(), log, "--disable-retries"
+        ) as base:
             started = time.monotonic()
             status, body = await asyncio.to_thread(openai_post, base, CHAT, _body(model, 100))
             assert status >= 500, (status, body)

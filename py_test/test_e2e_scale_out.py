@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import signal
 
 import pytest
@@ -11,7 +10,7 @@ import pytest
 import servers
 from harness import require
 from real_engine import BASE_FLAGS, cli_flags, kv_events_config, require_vllm, tiny_model
-from routers import openai_post, smg_path, smg_router
+from routers import openai_post, smg_path, smg_router_in_thread
 from vllm_servers import free_port
 
 pytestmark = pytest.mark.vllm
@@ -40,13 +39,11 @@ async def test_two_workers_cache_aware_routing_and_failover(figures) -> None:
         for f in flags
     ]
     try:
-        with contextlib.ExitStack() as stack:
-            router = smg_router(
-                [w.address for w in workers], model, model.parent / "router-two.log",
-                "--policy", "cache_aware", "--health-check-interval-secs", "1",
-                "--health-failure-threshold", "1",
-            )  # fmt: skip
-            base = await asyncio.to_thread(stack.enter_context, router)
+        async with smg_router_in_thread(
+            [w.address for w in workers], model, model.parent / "router-two.log",
+            "--policy", "cache_aware", "--health-check-interval-secs", "1",
+            "--health-failure-threshold", "1",
+        ) as base:  # fmt: skip
             await _scenario(base, str(model), workers, figures)
     finally:
         for worker in workers:

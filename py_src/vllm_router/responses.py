@@ -72,7 +72,9 @@ def stream_message(
     return message
 
 
-class _SampleAccumulator:
+class SampleAccumulator:
+    """One sample's tokens, text and logprobs, collected from its steps."""
+
     __slots__ = ("last", "logprobs", "text", "token_ids")
 
     def __init__(self) -> None:
@@ -107,13 +109,13 @@ class UnaryAccumulator:
     __slots__ = ("_prompt_logprobs", "_samples")
 
     def __init__(self) -> None:
-        self._samples: dict[int, _SampleAccumulator] = {}
+        self._samples: dict[int, SampleAccumulator] = {}
         self._prompt_logprobs: list[TokenLogprob] | None = None
 
     def add(self, step: EngineStep) -> None:
         sample = self._samples.get(step.index)
         if sample is None:
-            sample = self._samples[step.index] = _SampleAccumulator()
+            sample = self._samples[step.index] = SampleAccumulator()
         sample.add(step)
         if step.prompt_logprobs is not None:
             self._prompt_logprobs = step.prompt_logprobs

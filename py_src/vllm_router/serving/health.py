@@ -32,10 +32,6 @@ class ServingState:
         self._engine = engine
         self._draining = False
 
-    @property
-    def draining(self) -> bool:
-        return self._draining
-
     def start_draining(self) -> None:
         self._draining = True
 

@@ -68,10 +68,6 @@ class RequestTable:
     def in_flight(self) -> frozenset[str]:
         return frozenset(self._flights)
 
-    @property
-    def draining(self) -> bool:
-        return self._state.draining
-
     @contextlib.asynccontextmanager
     async def run(
         self, request: GenerationRequest

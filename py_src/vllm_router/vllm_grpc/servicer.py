@@ -19,25 +19,15 @@ from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vpb_grpc
 
 from ..convert import checked_request_id, trace_headers
-from ..engine import AsyncEngine, EngineStep, TokenLogprob
+from ..engine import AsyncEngine, TokenLogprob
 from ..errors import NotConfigured, Unsupported
+from ..responses import SampleAccumulator
 from ..rpc import handles_errors
 from ..serving import RequestTable, ServingState
 from . import convert, responses
 
 SERVICE_NAME = vpb.DESCRIPTOR.services_by_name["VllmEngine"].full_name
 Context: TypeAlias = grpc.aio.ServicerContext
-
-
-class _Sample:
-    """One sample's tokens and logprobs, for a non-streamed request's final message."""
-
-    __slots__ = ("last", "logprobs", "token_ids")
-
-    def __init__(self) -> None:
-        self.token_ids: list[int] = []
-        self.logprobs: list[TokenLogprob] = []
-        self.last: EngineStep | None = None
 
 
 class VllmGrpcServicer(vpb_grpc.VllmEngineServicer):
@@ -60,7 +50,7 @@ class VllmGrpcServicer(vpb_grpc.VllmEngineServicer):
         num_prompt_top = max(sampling.prompt_logprobs or 0, 0)
         prompt: list[TokenLogprob] | None = None
         seen: set[int] = set()
-        samples: dict[int, _Sample] = {}
+        samples: dict[int, SampleAccumulator] = {}
         async with self._requests.run(generation) as (flight, steps):
             clock = asyncio.get_running_loop().time
             async for step in steps:
@@ -69,10 +59,7 @@ class VllmGrpcServicer(vpb_grpc.VllmEngineServicer):
                 if step.finished:
                     flight.check_finished(step)
                 if not request.stream:
-                    sample = samples.setdefault(step.index, _Sample())
-                    sample.token_ids.extend(step.token_ids)
-                    sample.logprobs.extend(step.logprobs or ())
-                    sample.last = step
+                    samples.setdefault(step.index, SampleAccumulator()).add(step)
                     continue
                 first = step.index not in seen
                 seen.add(step.index)
@@ -90,7 +77,7 @@ class VllmGrpcServicer(vpb_grpc.VllmEngineServicer):
             sample = samples[index]
             assert sample.last is not None
             yield responses.complete(
-                sample.last, sample.token_ids, sample.logprobs or None, num_top, prompt,
+                sample.last, sample.token_ids, sample.logprobs, num_top, prompt,
                 num_prompt_top, self._eos,
             )  # fmt: skip
 
