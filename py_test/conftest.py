@@ -64,7 +64,7 @@ async def _real_harness(
     real_engine.require_vllm()
     model_dir = real_engine.tiny_model(temperature)
     engine = real_engine.start_engine(model_dir, {**real_engine.ENGINE_FLAGS, **extra_flags})
-    config = ServerConfig(port=0, shutdown_grace_seconds=5.0)
+    config = ServerConfig(port=0, shutdown_grace_seconds=5.0, metrics_port=0)
     harness = await start_harness(engine, config, model_dir)
     try:
         yield harness

@@ -9,6 +9,7 @@ import asyncio
 import os
 import shutil
 import sys
+import urllib.request
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,6 +59,12 @@ class Harness:
     def address(self) -> str:
         return f"127.0.0.1:{self.server.port}"
 
+    @property
+    def metrics_url(self) -> str:
+        endpoint = self.server.metrics_endpoint
+        assert endpoint is not None, "started without metrics_port"
+        return endpoint.url
+
     async def close(self) -> None:
         await self.channel.close()
         await self.server.drain_and_stop()  # also shuts the engine down
@@ -84,6 +91,31 @@ def request(
         prompt_token_ids=prompt or [],
         sampling_params=pb.SamplingParams(**sampling),
     )
+
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+async def scrape(url: str) -> Samples:
+    """Every sample of a Prometheus endpoint, parsed by prometheus_client's own parser,
+    keyed by (sample name, sorted labels)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def fetch() -> str:
+        with urllib.request.urlopen(url, timeout=10) as response:
+            return response.read().decode()
+
+    samples: Samples = {}
+    for family in text_string_to_metric_families(await asyncio.to_thread(fetch)):
+        for sample in family.samples:
+            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return samples
+
+
+def delta(before: Samples, after: Samples, name: str, **labels: str) -> float:
+    """How much one sample moved (0 where it did not exist before)."""
+    key = (name, tuple(sorted(labels.items())))
+    return after.get(key, 0.0) - before.get(key, 0.0)
 
 
 async def wait_until(predicate: Callable[[], bool], timeout: float = 10.0, what: str = "") -> None:

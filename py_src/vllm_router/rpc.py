@@ -2,7 +2,8 @@
 
 A decorated handler raises; the decorator turns what it raised into the status from
 `errors.status_for` (logging anything unexpected with its traceback) and also answers
-requests whose bytes did not parse (see `server.interceptors`) with INVALID_ARGUMENT.
+requests whose bytes did not parse (see `server.interceptors`) with INVALID_ARGUMENT,
+and counts every finished RPC by its status code.
 """
 
 from __future__ import annotations
@@ -11,11 +12,12 @@ import functools
 import inspect
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, NoReturn, TypeVar
+from typing import Any, NoReturn, Protocol, TypeVar
 
 import grpc
 
 from .errors import InvalidRequest, status_for
+from .serving.metrics import ServicerMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -43,40 +45,85 @@ async def abort_with(context: grpc.aio.ServicerContext, exc: Exception) -> NoRet
     raise AssertionError("unreachable: context.abort raises")
 
 
+class ObservedServicer(Protocol):
+    """What `handles_errors` reads off the servicer: where to count finished RPCs."""
+
+    service_label: str
+    rpc_metrics: ServicerMetrics | None
+
+
+def _count(
+    servicer: ObservedServicer, method: str, code: grpc.StatusCode | None, context: Any
+) -> None:
+    metrics = servicer.rpc_metrics
+    if metrics is None:
+        return
+    if code is None:  # left early: the client went away, or its deadline passed
+        remaining = context.time_remaining()
+        expired = remaining is not None and remaining <= 0
+        code = grpc.StatusCode.DEADLINE_EXCEEDED if expired else grpc.StatusCode.CANCELLED
+    metrics.requests.labels(servicer.service_label, method, code.name).inc()
+
+
 def handles_errors(handler: Handler) -> Handler:
-    """Map what a unary or server-streaming handler raises to its gRPC status.
+    """Map what a unary or server-streaming handler raises to its gRPC status, and
+    count the finished RPC by method and status code (`vllm_servicer:requests_total`).
 
     `asyncio.CancelledError` (a BaseException) passes through untouched, and so does
     the AbortError of a handler that aborted the RPC itself.
     """
+    method = handler.__name__
     if inspect.isasyncgenfunction(handler):
 
         @functools.wraps(handler)
-        async def stream(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        async def stream(
+            self: ObservedServicer, request: Any, context: grpc.aio.ServicerContext
+        ) -> Any:
+            code: grpc.StatusCode | None = None
             try:
                 if isinstance(request, Malformed):
                     raise request.invalid()
                 messages: AsyncIterator[Any] = handler(self, request, context)
                 async for message in messages:
                     yield message
+                code = grpc.StatusCode.OK
             except grpc.aio.AbortError:
+                code = _aborted_code(context)
                 raise
             except Exception as exc:
+                code = status_for(exc)[0]
                 await abort_with(context, exc)
+            finally:
+                _count(self, method, code, context)
 
         return stream  # type: ignore[return-value]
 
     unary_handler: Callable[..., Awaitable[Any]] = handler
 
     @functools.wraps(handler)
-    async def unary(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
+    async def unary(self: ObservedServicer, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        code: grpc.StatusCode | None = None
         try:
             if isinstance(request, Malformed):
                 raise request.invalid()
-            return await unary_handler(self, request, context)
+            response = await unary_handler(self, request, context)
+            code = grpc.StatusCode.OK
+            return response
         except grpc.aio.AbortError:
+            code = _aborted_code(context)
             raise
         except Exception as exc:
+            code = status_for(exc)[0]
             await abort_with(context, exc)
+        finally:
+            _count(self, method, code, context)
 
     return unary  # type: ignore[return-value]
+
+
+def _aborted_code(context: grpc.aio.ServicerContext) -> grpc.StatusCode:
+    code = context.code()
+    if isinstance(code, grpc.StatusCode):
+        return code
+    by_value = {status.value[0]: status for status in grpc.StatusCode}
+    return by_value.get(code, grpc.StatusCode.UNKNOWN)  # type: ignore[arg-type]

@@ -7,7 +7,6 @@ they raise to status codes. `python -m vllm_router.vllm_servicer` runs the CLI.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 from typing import TypeAlias
 
@@ -19,14 +18,23 @@ from .errors import InvalidRequest
 from .proto import vllm_engine_pb2 as pb
 from .proto import vllm_engine_pb2_grpc as pb_grpc
 from .rpc import handles_errors
-from .serving import RequestTable, ServingState
+from .serving import RequestTable, ServicerMetrics, ServingState
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["VllmEngine"].full_name
 Context: TypeAlias = grpc.aio.ServicerContext
 
 
 class VllmEngineServicer(pb_grpc.VllmEngineServicer):
-    def __init__(self, engine: AsyncEngine, requests: RequestTable, state: ServingState) -> None:
+    service_label = SERVICE_NAME
+
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        requests: RequestTable,
+        state: ServingState,
+        metrics: ServicerMetrics | None = None,
+    ) -> None:
+        self.rpc_metrics = metrics
         self._engine = engine
         self._requests = requests
         self._state = state
@@ -44,19 +52,17 @@ class VllmEngineServicer(pb_grpc.VllmEngineServicer):
         generation = self._generation(request, context)
         async with self._requests.run(generation) as (flight, steps):
             request_id = flight.request_id
-            clock = asyncio.get_running_loop().time
             first = True
             async for step in steps:
-                if step.finished:
-                    flight.check_finished(step)
+                flight.step(step)
                 metrics = self._worker_metrics() if first or step.finished else None
                 first = False
                 message = responses.stream_message(request_id, step, metrics)
                 # The generator resumes once gRPC has sent the message; a client that stops
                 # reading keeps it suspended here (see RequestTable.watch_stalled_streams).
-                flight.sending_since = clock()
+                flight.sending()
                 yield message
-                flight.sending_since = None
+                flight.sent()
 
     @handles_errors
     async def Generate(self, request: pb.GenerateRequest, context: Context) -> pb.GenerateResponse:
@@ -64,9 +70,9 @@ class VllmEngineServicer(pb_grpc.VllmEngineServicer):
         result = responses.UnaryAccumulator()
         async with self._requests.run(generation) as (flight, steps):
             async for step in steps:
+                flight.step(step)
                 result.add(step)
-                if step.finished:
-                    flight.check_finished(step)
+            flight.sending()
         return result.response(generation.request_id, self._worker_metrics())
 
     @handles_errors

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import AsyncGenerator
 from typing import Protocol, runtime_checkable
 
+from prometheus_client.registry import Collector
+
 from .types import (
     Embedding,
     EngineStep,
@@ -85,5 +87,9 @@ class AsyncEngine(Protocol):
         ...
 
     async def stop_profile(self) -> None: ...
+
+    def prometheus_registry(self) -> Collector | None:
+        """The engine's own Prometheus series (vLLM's `vllm:*`), or None if it has none."""
+        ...
 
     async def shutdown(self) -> None: ...

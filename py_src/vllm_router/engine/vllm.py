@@ -13,6 +13,8 @@ import time
 from collections.abc import AsyncGenerator
 from typing import TYPE_CHECKING
 
+from prometheus_client.registry import Collector
+
 from ..errors import EngineUnavailable, NotConfigured
 from .types import (
     Embedding,
@@ -28,7 +30,7 @@ from .vllm_facts import model_facts, read_tokenizer_files
 from .vllm_kv_events import kv_event_batches
 from .vllm_lora import LoraRegistry
 from .vllm_params import build_sampling_params, convert_logprobs, convert_prompt_logprobs, reraise
-from .vllm_stats import LoadBoard
+from .vllm_stats import LoadBoard, capture_engine_registry
 
 if TYPE_CHECKING:
     from vllm.engine.arg_utils import AsyncEngineArgs
@@ -43,6 +45,7 @@ class VllmEngine:
     def __init__(self, llm: AsyncLLM, board: LoadBoard) -> None:
         self._llm = llm
         self._board = board
+        self._prometheus = capture_engine_registry()
         model_config = llm.vllm_config.model_config
         self._max_model_len = model_config.max_model_len
         self._model_defaults = model_config.get_diff_sampling_param()
@@ -110,6 +113,10 @@ class VllmEngine:
     async def abort(self, request_id: str) -> None:
         if not self._llm.errored:
             await self._llm.abort(request_id)
+
+    def prometheus_registry(self) -> Collector | None:
+        # The series vLLM's OpenAI server exposes: vllm:*, process and Python.
+        return self._prometheus
 
     async def shutdown(self) -> None:
         self._llm.shutdown()

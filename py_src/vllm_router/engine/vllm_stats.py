@@ -9,6 +9,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from prometheus_client.registry import Collector
+
 from .types import LoadSnapshot, RankLoad
 
 
@@ -59,3 +61,23 @@ class LoadBoard:
                 pass
 
         return LoadStatLogger
+
+
+def capture_engine_registry() -> Collector:
+    """The Prometheus series of the engine just created, bound to it.
+
+    vLLM registers its `vllm:*` series in prometheus_client's default registry (or a
+    multiprocess one) and unregisters the previous engine's when another engine is
+    created in the process; a registry of the collectors present now keeps this
+    engine's series. Read the way vLLM's own `unregister_vllm_metrics` reads them.
+    """
+    from prometheus_client import REGISTRY, CollectorRegistry
+    from vllm.v1.metrics.prometheus import get_prometheus_registry
+
+    source = get_prometheus_registry()
+    if source is not REGISTRY:
+        return source
+    own = CollectorRegistry(auto_describe=False)
+    for collector in list(REGISTRY._collector_to_names):
+        own.register(collector)
+    return own

@@ -28,12 +28,13 @@ from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vpb_grpc
 
 from ..engine import AsyncEngine
 from ..proto import vllm_engine_pb2_grpc as pb_grpc
-from ..serving import RequestTable, ServingState
+from ..serving import RequestTable, ServicerMetrics, ServingState
 from ..vllm_grpc.servicer import SERVICE_NAME as VLLM_GRPC_SERVICE
 from ..vllm_grpc.servicer import VllmGrpcServicer
 from ..vllm_servicer import SERVICE_NAME, VllmEngineServicer
 from .config import ServerConfig, StartupError, server_options
 from .interceptors import MalformedRequestInterceptor
+from .metrics_http import MetricsEndpoint, start_metrics_endpoint
 from .security import ApiKeyInterceptor, server_credentials
 
 logger = logging.getLogger(__name__)
@@ -60,14 +61,21 @@ def preflight(config: ServerConfig) -> None:
         raise StartupError("the API key must not be empty (--api-key)")
     server_credentials(config.ssl_certfile, config.ssl_keyfile, config.ssl_ca_certs)
     if config.port > 0:
-        family = socket.AF_INET6 if ":" in config.host else socket.AF_INET
-        with socket.socket(family, socket.SOCK_STREAM) as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                probe.bind((config.host.strip("[]"), config.port))
-            except OSError as exc:
-                where = address(config.host, config.port)
-                raise PortUnavailable(f"cannot listen on {where}: {exc.strerror}") from exc
+        _check_bindable(config.host, config.port)
+    if config.metrics_port:
+        _check_bindable(config.metrics_host or config.host, config.metrics_port)
+
+
+def _check_bindable(host: str, port: int) -> None:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host.strip("[]"), port))
+        except OSError as exc:
+            raise PortUnavailable(
+                f"cannot listen on {address(host, port)}: {exc.strerror}"
+            ) from exc
 
 
 @contextlib.contextmanager
@@ -87,13 +95,23 @@ class RunningServer:
         self.engine = engine
         self.config = config
         self.state = ServingState(engine)
+        # Front-end series, recorded only when they are served (--metrics-port).
+        self.metrics = ServicerMetrics() if config.metrics_port is not None else None
+        self.metrics_endpoint: MetricsEndpoint | None = None
         self.requests = RequestTable(
             engine,
             self.state,
             max_concurrent=config.max_concurrent_streams,
             max_prompt_tokens=config.max_prompt_tokens,
             log_requests=config.enable_log_requests,
+            metrics=self.metrics,
         )
+        if self.metrics is not None:
+            self.metrics.watch(
+                in_flight=lambda: len(self.requests.in_flight),
+                draining=lambda: self.state.draining,
+                engine_alive=lambda: not self.state.engine_dead,
+            )
         self.health = health.aio.HealthServicer()
         # Services answered by our own (rpc.handles_errors-decorated) servicers.
         self.services = (SERVICE_NAME, VLLM_GRPC_SERVICE) if config.vllm_grpc else (SERVICE_NAME,)
@@ -101,7 +119,8 @@ class RunningServer:
             MalformedRequestInterceptor(self.services)
         ]
         if config.api_key is not None:
-            interceptors.insert(0, ApiKeyInterceptor(config.api_key))
+            refused = self.metrics.unauthenticated if self.metrics is not None else None
+            interceptors.insert(0, ApiKeyInterceptor(config.api_key, on_refused=refused))
         self.server = grpc.aio.server(options=server_options(config), interceptors=interceptors)
         self.port = 0
         self.exit_code = EXIT_OK
@@ -111,7 +130,7 @@ class RunningServer:
         self._background: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:
-        shared = (self.engine, self.requests, self.state)
+        shared = (self.engine, self.requests, self.state, self.metrics)
         pb_grpc.add_VllmEngineServicer_to_server(VllmEngineServicer(*shared), self.server)
         if self.config.vllm_grpc:
             vpb_grpc.add_VllmEngineServicer_to_server(VllmGrpcServicer(*shared), self.server)
@@ -124,6 +143,13 @@ class RunningServer:
             self._listen()
             await self.server.start()
         await self._refresh_health()
+        if self.metrics is not None and self.config.metrics_port is not None:
+            self.metrics_endpoint = start_metrics_endpoint(
+                self.metrics,
+                self.engine,
+                host=self.config.metrics_host or self.config.host,
+                port=self.config.metrics_port,
+            )
         self._background.append(asyncio.create_task(self._watch_health(), name="health"))
         if self.config.stream_stall_timeout_seconds > 0:
             stall = self.requests.watch_stalled_streams(self.config.stream_stall_timeout_seconds)
@@ -224,6 +250,8 @@ class RunningServer:
             task.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)
         await self.engine.shutdown()
+        if self.metrics_endpoint is not None:
+            self.metrics_endpoint.close()
         if self.config.uds:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.config.uds)

@@ -71,6 +71,12 @@ class ServerConfig:
             ENV: "VLLM_SERVICER_API_KEY",
         },
     )
+    metrics_port: int | None = _opt(
+        None,
+        "serve Prometheus metrics (vllm_servicer:* and vLLM's vllm:* series) over HTTP on "
+        "this port at /metrics (0: a free port, logged; default: off)",
+    )
+    metrics_host: str | None = _opt(None, "address of the metrics listener (default: --host)")
     uds: str | None = _opt(
         None, "also listen on this unix socket (mode 0600, plaintext); --port -1 for it alone"
     )

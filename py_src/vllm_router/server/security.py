@@ -47,10 +47,11 @@ async def _refuse(_request: Any, context: grpc.aio.ServicerContext) -> None:
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
     """Every RPC but grpc.health.v1 needs `authorization: Bearer <key>` (constant-time check)."""
 
-    def __init__(self, api_key: str) -> None:
+    def __init__(self, api_key: str, on_refused: Callable[[], None] | None = None) -> None:
         if not api_key:
             raise StartupError("the API key must not be empty (--api-key)")
         self._expected = f"Bearer {api_key}".encode()
+        self._on_refused = on_refused
 
     async def intercept_service(
         self,
@@ -67,4 +68,6 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
                 break
         if hmac.compare_digest(presented, self._expected):
             return handler
+        if self._on_refused is not None:
+            self._on_refused()
         return rebuild_handler(handler, behaviour=_refuse)

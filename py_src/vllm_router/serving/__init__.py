@@ -6,6 +6,7 @@ watchdog, abort-all). Both know the engine protocol, not gRPC contracts.
 """
 
 from .health import ServingState, ServingStatus
+from .metrics import ServicerMetrics
 from .requests import Flight, RequestTable
 
-__all__ = ["Flight", "RequestTable", "ServingState", "ServingStatus"]
+__all__ = ["Flight", "RequestTable", "ServicerMetrics", "ServingState", "ServingStatus"]

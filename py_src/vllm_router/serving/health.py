@@ -36,6 +36,10 @@ class ServingState:
         self._draining = True
 
     @property
+    def draining(self) -> bool:
+        return self._draining
+
+    @property
     def engine_dead(self) -> bool:
         return self._engine.errored
 

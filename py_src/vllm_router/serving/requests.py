@@ -12,11 +12,19 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import time
 from collections.abc import AsyncGenerator, AsyncIterator
 
 from ..engine import AsyncEngine, Embedding, EngineStep, GenerationRequest
-from ..errors import DuplicateRequest, EngineUnavailable, NotConfigured, Overloaded
+from ..errors import (
+    DuplicateRequest,
+    EngineUnavailable,
+    NotConfigured,
+    Overloaded,
+    ServicerError,
+)
 from .health import ServingState
+from .metrics import ServicerMetrics
 from .prompts import check_prompt
 
 logger = logging.getLogger(__name__)
@@ -28,21 +36,57 @@ SHUT_DOWN = (
 
 
 class Flight:
-    """One admitted request: its engine steps and what the watchdog needs to know."""
+    """One admitted request: what the watchdog needs to know, and its metrics.
 
-    __slots__ = ("request_id", "sending_since", "shut_down", "task")
+    Handlers call `step` on every engine step, and `sending` / `sent` around each
+    response message they hand to gRPC.
+    """
 
-    def __init__(self, request_id: str) -> None:
+    __slots__ = ("_last_sent", "_metrics", "_started", "request_id", "sending_since", "shut_down",
+                 "task")  # fmt: skip
+
+    def __init__(self, request_id: str, metrics: ServicerMetrics | None) -> None:
         self.request_id = request_id
         self.task = asyncio.current_task()
-        # Loop time since which a message has been waiting for the client to take it.
+        # Monotonic time since which a message has been waiting for the client to take it.
         self.sending_since: float | None = None
         self.shut_down = False
+        self._metrics = metrics
+        self._started = time.monotonic()
+        self._last_sent: float | None = None
 
-    def check_finished(self, step: EngineStep) -> None:
-        """Call on the finished step: an abort by the drain is UNAVAILABLE, not an answer."""
-        if self.shut_down and step.finish_reason == "abort":
-            raise EngineUnavailable(SHUT_DOWN)
+    def step(self, step: EngineStep) -> None:
+        """Count what the engine produced; on the finished step, check how it ended.
+
+        An abort by the drain is UNAVAILABLE (raised here), not an answer.
+        """
+        metrics = self._metrics
+        if metrics is not None and step.token_ids:
+            metrics.generated_tokens.inc(len(step.token_ids))
+        if step.finished:
+            if metrics is not None:
+                metrics.finish_reason.labels(step.finish_reason or "unknown").inc()
+            if self.shut_down and step.finish_reason == "abort":
+                raise EngineUnavailable(SHUT_DOWN)
+
+    def sending(self) -> None:
+        """A response message goes to gRPC now (the stall watchdog watches until `sent`)."""
+        now = time.monotonic()
+        self.sending_since = now
+        metrics = self._metrics
+        if metrics is not None:
+            if self._last_sent is None:
+                metrics.time_to_first_message.observe(now - self._started)
+            else:
+                metrics.time_between_messages.observe(now - self._last_sent)
+        self._last_sent = now
+
+    def sent(self) -> None:
+        self.sending_since = None
+
+    def finished(self) -> None:
+        if self._metrics is not None:
+            self._metrics.request_duration.observe(time.monotonic() - self._started)
 
 
 class RequestTable:
@@ -54,8 +98,10 @@ class RequestTable:
         max_concurrent: int = 0,
         max_prompt_tokens: int = 0,
         log_requests: bool = False,
+        metrics: ServicerMetrics | None = None,
     ) -> None:
         self._engine = engine
+        self._metrics = metrics
         self._state = state
         self._max_concurrent = max_concurrent
         self._max_prompt_tokens = max_prompt_tokens
@@ -77,18 +123,20 @@ class RequestTable:
         Leaving the block (finished, cancelled, failed) closes the engine's
         iterator, which aborts the request in the engine if it is still running.
         """
-        if not self._engine.facts.is_generation:
-            raise NotConfigured(
-                "this worker serves a pooling (embedding) model: use Embed, not generation"
-            )
-        await self._state.require_serving()
-        request = await self._with_checked_prompt(request)
-        async with self._admitted(request.request_id) as flight:
+        async with self._rejections_counted():
+            if not self._engine.facts.is_generation:
+                raise NotConfigured(
+                    "this worker serves a pooling (embedding) model: use Embed, not generation"
+                )
+            await self._state.require_serving()
+            request = await self._with_checked_prompt(request)
+        prompt_tokens = len(request.prompt_token_ids or ())
+        async with self._admitted(request.request_id, prompt_tokens) as flight:
             if self._log_requests:
                 logger.info(
                     "request %s: %d prompt tokens, n=%s, dp_rank=%s, lora=%s",
                     request.request_id,
-                    len(request.prompt_token_ids or ()),
+                    prompt_tokens,
                     request.sampling.n or 1,
                     request.dp_rank,
                     request.lora_name,
@@ -101,19 +149,20 @@ class RequestTable:
 
     async def embed(self, request_id: str, prompt_token_ids: list[int]) -> Embedding:
         """Admit an embedding request (same id space, limits and drain) and run it."""
-        if self._engine.facts.is_generation:
-            raise NotConfigured(
-                "this worker serves a generation model: Embed needs a pooling model "
-                "(start the engine with --runner pooling, or --convert embed)"
+        async with self._rejections_counted():
+            if self._engine.facts.is_generation:
+                raise NotConfigured(
+                    "this worker serves a generation model: Embed needs a pooling model "
+                    "(start the engine with --runner pooling, or --convert embed)"
+                )
+            await self._state.require_serving()
+            check_prompt(
+                prompt_token_ids,
+                None,
+                self._engine.facts,
+                max_prompt_tokens=self._max_prompt_tokens,
             )
-        await self._state.require_serving()
-        check_prompt(
-            prompt_token_ids,
-            None,
-            self._engine.facts,
-            max_prompt_tokens=self._max_prompt_tokens,
-        )
-        async with self._admitted(request_id):
+        async with self._admitted(request_id, len(prompt_token_ids)):
             return await self._engine.embed(request_id, prompt_token_ids)
 
     async def abort(self, request_ids: list[str]) -> list[str]:
@@ -126,21 +175,36 @@ class RequestTable:
         return aborted
 
     @contextlib.asynccontextmanager
-    async def _admitted(self, request_id: str) -> AsyncIterator[Flight]:
-        if request_id in self._flights:
-            raise DuplicateRequest(f"request_id {request_id!r} is already in flight on this worker")
-        if self._max_concurrent and len(self._flights) >= self._max_concurrent:
-            raise Overloaded(
-                f"this worker already runs {len(self._flights)} requests "
-                f"(--max-concurrent-streams {self._max_concurrent}); retry on another worker"
-            )
-        flight = Flight(request_id)
+    async def _rejections_counted(self) -> AsyncIterator[None]:
+        try:
+            yield
+        except ServicerError as exc:
+            if self._metrics is not None:
+                self._metrics.reject(exc)
+            raise
+
+    @contextlib.asynccontextmanager
+    async def _admitted(self, request_id: str, prompt_tokens: int) -> AsyncIterator[Flight]:
+        async with self._rejections_counted():
+            if request_id in self._flights:
+                raise DuplicateRequest(
+                    f"request_id {request_id!r} is already in flight on this worker"
+                )
+            if self._max_concurrent and len(self._flights) >= self._max_concurrent:
+                raise Overloaded(
+                    f"this worker already runs {len(self._flights)} requests "
+                    f"(--max-concurrent-streams {self._max_concurrent}); retry on another worker"
+                )
+        flight = Flight(request_id, self._metrics)
+        if self._metrics is not None:
+            self._metrics.prompt_tokens.inc(prompt_tokens)
         self._flights[request_id] = flight
         self._idle.clear()
         try:
             yield flight
         finally:
             del self._flights[request_id]
+            flight.finished()
             if not self._flights:
                 self._idle.set()
 
@@ -188,10 +252,9 @@ class RequestTable:
         Cancelling the RPC closes the engine's iterator, which aborts the request in
         the engine: nothing keeps decoding for a client that no longer reads.
         """
-        loop = asyncio.get_running_loop()
         while True:
             await asyncio.sleep(min(1.0, stall_timeout / 4))
-            now = loop.time()
+            now = time.monotonic()
             for flight in list(self._flights.values()):
                 since = flight.sending_since
                 if since is not None and now - since > stall_timeout and flight.task is not None:

@@ -26,6 +26,8 @@ from collections import deque
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 
+from prometheus_client.registry import Collector
+
 from .. import __version__
 from ..engine import (
     Embedding,
@@ -124,6 +126,9 @@ class MockAsyncEngine:
             state.aborted = True
             self.aborted_ids.append(request_id)
             state.wake.set()
+
+    def prometheus_registry(self) -> Collector | None:
+        return None  # the mock has no engine series; the front end's own are still served
 
     async def shutdown(self) -> None:
         for request_id in list(self._requests):

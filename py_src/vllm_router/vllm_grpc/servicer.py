@@ -7,7 +7,6 @@ mapped by `rpc.handles_errors` exactly as for vllm.engine.v1.
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import time
 from collections.abc import AsyncIterator
@@ -23,7 +22,7 @@ from ..engine import AsyncEngine, TokenLogprob
 from ..errors import NotConfigured, Unsupported
 from ..responses import SampleAccumulator
 from ..rpc import handles_errors
-from ..serving import RequestTable, ServingState
+from ..serving import RequestTable, ServicerMetrics, ServingState
 from . import convert, responses
 
 SERVICE_NAME = vpb.DESCRIPTOR.services_by_name["VllmEngine"].full_name
@@ -31,7 +30,16 @@ Context: TypeAlias = grpc.aio.ServicerContext
 
 
 class VllmGrpcServicer(vpb_grpc.VllmEngineServicer):
-    def __init__(self, engine: AsyncEngine, requests: RequestTable, state: ServingState) -> None:
+    service_label = SERVICE_NAME
+
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        requests: RequestTable,
+        state: ServingState,
+        metrics: ServicerMetrics | None = None,
+    ) -> None:
+        self.rpc_metrics = metrics
         self._engine = engine
         self._requests = requests
         self._state = state
@@ -52,18 +60,16 @@ class VllmGrpcServicer(vpb_grpc.VllmEngineServicer):
         seen: set[int] = set()
         samples: dict[int, SampleAccumulator] = {}
         async with self._requests.run(generation) as (flight, steps):
-            clock = asyncio.get_running_loop().time
             async for step in steps:
                 if step.prompt_logprobs is not None:
                     prompt = step.prompt_logprobs
-                if step.finished:
-                    flight.check_finished(step)
+                flight.step(step)
                 if not request.stream:
                     samples.setdefault(step.index, SampleAccumulator()).add(step)
                     continue
                 first = step.index not in seen
                 seen.add(step.index)
-                flight.sending_since = clock()
+                flight.sending()
                 yield responses.chunk(step, num_top, prompt if first else None, num_prompt_top)
                 if step.finished:
                     # As vLLM's --grpc server: the last step's tokens again, the router
@@ -72,7 +78,9 @@ class VllmGrpcServicer(vpb_grpc.VllmEngineServicer):
                         step, step.token_ids, step.logprobs, num_top, prompt, num_prompt_top,
                         self._eos,
                     )  # fmt: skip
-                flight.sending_since = None
+                flight.sent()
+            if not request.stream:
+                flight.sending()  # the whole answer, below
         for index in sorted(samples):
             sample = samples[index]
             assert sample.last is not None

@@ -1,0 +1,142 @@
+"""The front end's Prometheus series (`vllm_servicer:*`), declared once, per server.
+
+Each server owns a `CollectorRegistry` (tests run several servers in one process);
+`exposition_registry` joins it with the engine's own registry (vLLM's `vllm:*`
+series, exactly as vLLM's OpenAI server exposes them) for the `/metrics` endpoint.
+Names are a contract: dashboards and alerts rely on them (README, examples/grafana).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
+
+from ..errors import (
+    DuplicateRequest,
+    EngineUnavailable,
+    InvalidRequest,
+    NotConfigured,
+    Overloaded,
+    ServicerError,
+)
+
+PREFIX = "vllm_servicer:"
+
+# Why admission refused a request, by the error it raised (the `cause` label).
+REJECTION_CAUSES: dict[type[ServicerError], str] = {
+    EngineUnavailable: "not_serving",
+    Overloaded: "overloaded",
+    DuplicateRequest: "duplicate_request_id",
+    InvalidRequest: "invalid_prompt",
+    NotConfigured: "wrong_model_kind",
+}
+UNAUTHENTICATED = "unauthenticated"
+
+# Seconds; generation spans milliseconds (a short unary) to minutes (long outputs).
+DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+FIRST_MESSAGE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+BETWEEN_MESSAGES_BUCKETS = (
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5,
+)  # fmt: skip
+
+
+class ServicerMetrics:
+    """Every `vllm_servicer:*` series of one server."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+
+        def name(short: str) -> str:
+            return PREFIX + short
+
+        self.requests = Counter(
+            name("requests"),
+            "Finished RPCs by service, method and gRPC status code name",
+            ["service", "method", "code"],
+            registry=r,
+        )
+        self.in_flight = Gauge(
+            name("requests_in_flight"), "Generation and embedding requests in flight", registry=r
+        )
+        self.prompt_tokens = Counter(
+            name("prompt_tokens"), "Prompt tokens of admitted requests", registry=r
+        )
+        self.generated_tokens = Counter(
+            name("generated_tokens"), "Tokens generated (every sample)", registry=r
+        )
+        self.finish_reason = Counter(
+            name("finish_reason"),
+            "Finished samples by the engine's finish reason (stop, length, abort)",
+            ["reason"],
+            registry=r,
+        )
+        self.rejected = Counter(
+            name("rejected"),
+            "Requests refused before reaching the engine, by cause",
+            ["cause"],
+            registry=r,
+        )
+        self.request_duration = Histogram(
+            name("request_duration_seconds"),
+            "Admission to the end of a generation request",
+            buckets=DURATION_BUCKETS,
+            registry=r,
+        )
+        self.time_to_first_message = Histogram(
+            name("time_to_first_message_seconds"),
+            "Admission to the first response message (the whole response for unary RPCs)",
+            buckets=FIRST_MESSAGE_BUCKETS,
+            registry=r,
+        )
+        self.time_between_messages = Histogram(
+            name("time_between_messages_seconds"),
+            "Between consecutive messages of one stream",
+            buckets=BETWEEN_MESSAGES_BUCKETS,
+            registry=r,
+        )
+        self.draining = Gauge(name("draining"), "1 while the server drains", registry=r)
+        self.engine_alive = Gauge(name("engine_alive"), "0 once the engine is dead", registry=r)
+        for cause in (*REJECTION_CAUSES.values(), UNAUTHENTICATED):
+            self.rejected.labels(cause)  # every cause exported from the start, at 0
+
+    def watch(
+        self,
+        in_flight: Callable[[], int],
+        draining: Callable[[], bool],
+        engine_alive: Callable[[], bool],
+    ) -> None:
+        """Gauges read at scrape time from the server's own state."""
+        self.in_flight.set_function(lambda: float(in_flight()))
+        self.draining.set_function(lambda: float(draining()))
+        self.engine_alive.set_function(lambda: float(engine_alive()))
+
+    def unauthenticated(self) -> None:
+        self.rejected.labels(UNAUTHENTICATED).inc()
+
+    def reject(self, exc: ServicerError) -> None:
+        cause = REJECTION_CAUSES.get(type(exc))
+        if cause is not None:
+            self.rejected.labels(cause).inc()
+
+
+class _Forward(Collector):
+    """Exposes another registry's series through a combined registry."""
+
+    def __init__(self, source: Collector) -> None:
+        self._source = source
+
+    def collect(self) -> Iterable[Metric]:
+        return self._source.collect()
+
+
+def exposition_registry(ours: CollectorRegistry, engine: Collector | None) -> CollectorRegistry:
+    """Our series and the engine's (vLLM's `vllm:*`, process and Python series) in one."""
+    combined = CollectorRegistry(auto_describe=False)
+    combined.register(_Forward(ours))
+    if engine is not None:
+        combined.register(_Forward(engine))
+    return combined
