@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
@@ -14,6 +15,7 @@ from vllm_router.testing.mock_engine import MockAsyncEngine, MockConfig
 import real_engine
 import routers
 from harness import Harness, StartServer, require, start_harness
+from otlp_receiver import TraceReceiver, trace_receiver
 from vllm_servers import free_port, vllm_openai_server
 
 _FIGURES: list[str] = []
@@ -72,13 +74,23 @@ async def _real_harness(
         await harness.close()
 
 
+@pytest.fixture(scope="session")
+def otlp() -> Iterator[TraceReceiver]:
+    """A local OTLP trace collector; the shared engine exports its spans here."""
+    with trace_receiver() as receiver:
+        yield receiver
+
+
 @pytest_asyncio.fixture(scope="session", loop_scope="session")
-async def real() -> AsyncIterator[Harness]:
+async def real(otlp: TraceReceiver) -> AsyncIterator[Harness]:
     """Our server over a real vLLM AsyncLLM on the tiny model, one per test session.
 
-    It also publishes KV-cache events (for SubscribeKvEvents and cache-aware routing).
+    It also publishes KV-cache events (for SubscribeKvEvents and cache-aware routing)
+    and exports OpenTelemetry spans to the `otlp` collector (batched every 100 ms).
     """
-    async for harness in _real_harness(**real_engine.kv_events_config(free_port())):
+    os.environ["OTEL_BSP_SCHEDULE_DELAY"] = "100"
+    tracing = {"otlp_traces_endpoint": otlp.endpoint}
+    async for harness in _real_harness(**real_engine.kv_events_config(free_port()), **tracing):
         yield harness
 
 
