@@ -160,9 +160,10 @@ async def test_rejections_by_cause_and_gauges(start_mock: StartServer) -> None:
         request([1], request_id="a", max_tokens=3000, ignore_eos=True), metadata=auth
     )
     await busy.read()
-    for rid, cause in (("a", "duplicate_request_id"), ("b", "overloaded")):
-        with pytest.raises(grpc.aio.AioRpcError):
+    for rid, code in (("a", "ALREADY_EXISTS"), ("b", "RESOURCE_EXHAUSTED")):
+        with pytest.raises(grpc.aio.AioRpcError) as err:
             await harness.stub.Generate(request([1], request_id=rid, max_tokens=1), metadata=auth)
+        assert err.value.code().name == code
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await harness.stub.Generate(request([1], max_tokens=1))
     assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
