@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,6 +17,7 @@ import real_engine
 import routers
 from harness import Harness, StartServer, require, start_harness
 from otlp_receiver import TraceReceiver, trace_receiver
+from pki import make_pki
 from vllm_servers import free_port, vllm_openai_server
 
 _FIGURES: list[str] = []
@@ -36,6 +38,12 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
         terminalreporter.section("measured figures")
         for line in _FIGURES:
             terminalreporter.write_line(line)
+
+
+@pytest.fixture(scope="session")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> dict[str, bytes | Path]:
+    """A throwaway CA, server and client certificates (files and bytes)."""
+    return make_pki(tmp_path_factory.mktemp("pki"))
 
 
 @pytest_asyncio.fixture

@@ -14,7 +14,13 @@ MAX_LINES = 300
 # Lower layers never import higher ones (engines know nothing of gRPC contracts,
 # contracts nothing of the server that hosts them).
 LAYERS = [
-    {"vllm_router", "vllm_router.errors", "vllm_router.proto", "vllm_router.dataclass_flags"},
+    {
+        "vllm_router",
+        "vllm_router.errors",
+        "vllm_router.proto",
+        "vllm_router.dataclass_flags",
+        "vllm_router.contract",
+    },
     {"vllm_router.engine"},
     {"vllm_router.serving", "vllm_router.testing"},
     {
@@ -23,9 +29,10 @@ LAYERS = [
         "vllm_router.responses",
         "vllm_router.vllm_servicer",
         "vllm_router.vllm_grpc",
+        "vllm_router.client",
     },
     {"vllm_router.server"},
-    {"vllm_router.cli"},
+    {"vllm_router.cli", "vllm_router.client_cli"},
 ]
 
 

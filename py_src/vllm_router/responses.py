@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Iterator
 
+from .contract import tokenizer_digest
 from .engine import Embedding, EngineStep, LoadSnapshot, LoraAdapter, ModelFacts, RankLoad
 from .engine.types import TokenLogprob
 from .proto import vllm_engine_pb2 as pb
@@ -141,7 +141,9 @@ class UnaryAccumulator:
         return message
 
 
-def model_info(facts: ModelFacts, lora_adapters: list[LoraAdapter]) -> pb.GetModelInfoResponse:
+def model_info(
+    facts: ModelFacts, lora_adapters: list[LoraAdapter], tokenizer_sha256: str
+) -> pb.GetModelInfoResponse:
     return pb.GetModelInfoResponse(
         model_name=facts.model_name,
         served_model_name=facts.served_model_name,
@@ -159,6 +161,7 @@ def model_info(facts: ModelFacts, lora_adapters: list[LoraAdapter]) -> pb.GetMod
         architectures=facts.architectures,
         is_generation=facts.is_generation,
         lora_adapters=[adapter.name for adapter in lora_adapters],
+        tokenizer_sha256=tokenizer_sha256,
     )
 
 
@@ -177,15 +180,12 @@ def loads(ranks: list[RankLoad], in_flight: int) -> pb.GetLoadsResponse:
 
 def tokenizer_chunks(files: list[tuple[str, bytes]]) -> Iterator[pb.GetTokenizerResponse]:
     """Each file in chunks, then a last message with the digest of the whole (see the proto)."""
-    digest = hashlib.sha256()
     for name, data in files:
-        digest.update(name.encode() + b"\0" + len(data).to_bytes(8, "big"))
-        digest.update(data)
         for start in range(0, max(len(data), 1), TOKENIZER_CHUNK_BYTES):
             yield pb.GetTokenizerResponse(
                 file_name=name, data=data[start : start + TOKENIZER_CHUNK_BYTES]
             )
-    yield pb.GetTokenizerResponse(sha256=digest.hexdigest(), file_count=len(files))
+    yield pb.GetTokenizerResponse(sha256=tokenizer_digest(files), file_count=len(files))
 
 
 def embedding(request_id: str, result: Embedding) -> pb.EmbedResponse:

@@ -13,8 +13,9 @@ from typing import TypeAlias
 import grpc
 
 from . import convert, responses
+from .contract import tokenizer_digest
 from .engine import AsyncEngine, GenerationRequest, LoadSnapshot
-from .errors import InvalidRequest
+from .errors import InvalidRequest, Unsupported
 from .proto import vllm_engine_pb2 as pb
 from .proto import vllm_engine_pb2_grpc as pb_grpc
 from .rpc import handles_errors
@@ -40,6 +41,7 @@ class VllmEngineServicer(pb_grpc.VllmEngineServicer):
         self._state = state
         self._metrics_for: LoadSnapshot | None = None
         self._metrics = pb.WorkerMetrics()
+        self._tokenizer_sha256: str | None = None
 
     def _generation(self, request: pb.GenerateRequest, context: Context) -> GenerationRequest:
         trace = convert.trace_headers(context.invocation_metadata())
@@ -93,7 +95,13 @@ class VllmEngineServicer(pb_grpc.VllmEngineServicer):
         await self._state.require_engine()
         facts = self._engine.facts
         adapters = await self._engine.list_lora_adapters() if facts.supports_lora else []
-        return responses.model_info(facts, adapters)
+        if self._tokenizer_sha256 is None:  # the files do not change while serving
+            try:
+                files = await self._engine.tokenizer_files()
+                self._tokenizer_sha256 = tokenizer_digest(files)
+            except Unsupported:  # an engine without tokenizer files (the mock)
+                self._tokenizer_sha256 = ""
+        return responses.model_info(facts, adapters, self._tokenizer_sha256)
 
     @handles_errors
     async def GetLoads(self, request: pb.GetLoadsRequest, context: Context) -> pb.GetLoadsResponse:

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..contract import DEFAULT_HOST, DEFAULT_PORT
+
 # Field metadata keys read by `vllm_router.dataclass_flags`.
 HELP = "help"
 ENV = "env"  # environment variable that supplies the default
@@ -21,13 +23,15 @@ def _opt(default: Any, help: str, **extra: Any) -> Any:
 
 @dataclass(frozen=True)
 class ServerConfig:
-    host: str = _opt("127.0.0.1", "address to listen on (0.0.0.0: all)")
+    host: str = _opt(DEFAULT_HOST, "address to listen on (0.0.0.0: all)")
     vllm_grpc: bool = _opt(
         True,
         "also serve vLLM's official contract vllm.grpc.engine.VllmEngine (what `vllm serve "
         "--grpc` serves and the SMG router speaks) on the same port",
     )
-    port: int = _opt(50051, "TCP port; 0 picks a free port and logs it; -1: none (needs --uds)")
+    port: int = _opt(
+        DEFAULT_PORT, "TCP port; 0 picks a free port and logs it; -1: none (needs --uds)"
+    )
     shutdown_grace_seconds: float = _opt(
         30.0, "on SIGTERM/SIGINT, how long in-flight requests may run before they are aborted"
     )
