@@ -35,27 +35,24 @@ async def drive(workload: Workload, one: OneRequest) -> tuple[list[Record], floa
 
 
 def ours(address: str, workload: Workload) -> tuple[Callable[[], Awaitable[None]], OneRequest]:
-    from vllm_router.proto import vllm_engine_pb2 as pb
-    from vllm_router.proto import vllm_engine_pb2_grpc as pb_grpc
+    """Ours, through the package's own client library."""
+    from vllm_router.client import WorkerClient
 
-    channel = grpc.aio.insecure_channel(address)
-    stub = pb_grpc.VllmEngineStub(channel)
+    worker = WorkerClient(address, timeout=None)
 
     async def one(i: int, prompt: list[int], record: Record) -> None:
-        request = pb.GenerateRequest(
-            prompt_token_ids=prompt,
+        stream = worker.stream(
+            prompt,
             skip_detokenize=workload.skip_detokenize,
-            sampling_params=pb.SamplingParams(
-                temperature=workload.temperature,
-                max_tokens=workload.output_len,
-                ignore_eos=True,
-                seed=i,
-            ),
+            temperature=workload.temperature,
+            max_tokens=workload.output_len,
+            ignore_eos=True,
+            seed=i,
         )
-        async for message in stub.GenerateStream(request):
+        async for message in stream:
             record.message(len(message.token_ids))
 
-    return channel.close, one
+    return worker.close, one
 
 
 def vllm_grpc(address: str, workload: Workload) -> tuple[Callable[[], Awaitable[None]], OneRequest]:
