@@ -11,6 +11,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 HOST ?= 127.0.0.1
 PORT ?= 50051
+METRICS_PORT ?= 9464
 MODEL ?=
 MOCK ?=
 # vLLM's PyPI package is the CUDA build; on a machine without an NVIDIA GPU the
@@ -94,14 +95,17 @@ stress: install
 
 serve: install
 ifeq ($(MOCK),1)
-	$(BIN)/vllm-servicer --mock-engine --host $(HOST) --port $(PORT)
+	$(BIN)/vllm-servicer --mock-engine --host $(HOST) --port $(PORT) --metrics-port $(METRICS_PORT)
 else ifneq ($(MODEL),)
 	$(CPU_ENV) $(BIN)/vllm-servicer --model "$(MODEL)" --host $(HOST) --port $(PORT) $(ENGINE_MEMORY) $(SERVE_ARGS)
 else
 	$(BIN)/python -m vllm_router.testing.tiny_model $(TINY_MODEL_DIR)
-	@echo "Try: $(BIN)/grpcurl -plaintext -d '{\"prompt_token_ids\":[1,5,9],\"sampling_params\":{\"max_tokens\":8}}' $(HOST):$(PORT) vllm.engine.v1.VllmEngine/GenerateStream"
+	@echo "Try: $(BIN)/vllm-servicer-client --address $(HOST):$(PORT) generate 'Hello' --max-tokens 16"
+	@echo " or: $(BIN)/grpcurl -plaintext -d '{\"prompt_token_ids\":[1,5,9],\"sampling_params\":{\"max_tokens\":8}}' $(HOST):$(PORT) vllm.engine.v1.VllmEngine/GenerateStream"
+	@echo "Metrics: http://$(HOST):$(METRICS_PORT)/metrics"
 	$(CPU_ENV) $(BIN)/vllm-servicer --model $(TINY_MODEL_DIR) --host $(HOST) --port $(PORT) \
-		--max-model-len 512 $(ENGINE_MEMORY) --enforce-eager --enable-lora --max-lora-rank 8 $(SERVE_ARGS)
+		--metrics-port $(METRICS_PORT) --max-model-len 512 $(ENGINE_MEMORY) --enforce-eager \
+		--enable-lora --max-lora-rank 8 $(SERVE_ARGS)
 endif
 
 # The whole stack on a laptop: the servicer (real engine, tiny model) and the SMG router
