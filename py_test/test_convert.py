@@ -206,6 +206,8 @@ MOCK_RULE_CASES = [
     SamplingOptions(repetition_penalty=math.inf),
     SamplingOptions(repetition_penalty=-1.0),
     SamplingOptions(repetition_penalty=1.3),
+    SamplingOptions(stream_interval=0),
+    SamplingOptions(stream_interval=4),
 ]
 
 

@@ -67,6 +67,8 @@ class SamplingOptions:
     prompt_logprobs: int | None = None
     structured_outputs: StructuredOutputs | None = None
     spaces_between_special_tokens: bool | None = None
+    # Emit a step's output only every this many tokens (first and last always at once).
+    stream_interval: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,15 +3,17 @@
 Sample i of a request continues the prompt with (last prompt token + 1 + i), then
 counts up. A logit bias of +100 forces that token every time; -100 bans it (the
 count skips it). A `choice` constraint emits the first choice's UTF-8 bytes (mod
-vocab_size) as tokens, then EOS, with the choice as its text.
+vocab_size) as tokens, then EOS, with the choice as its text. `every_interval` merges
+steps as vLLM's stream_interval does.
 """
 
 from __future__ import annotations
 
 import codecs
-from collections.abc import Callable
+import dataclasses
+from collections.abc import AsyncIterator, Callable
 
-from ..engine import ModelFacts, SamplingOptions
+from ..engine import EngineStep, ModelFacts, SamplingOptions
 from ..engine.types import FinishReason
 from ..errors import Unsupported
 from .mock_sampling import mock_token_text
@@ -132,3 +134,31 @@ class SampleDecoder:
                 pieces.append(self._matcher.flush())
                 break
         return new_ids, "".join(pieces), finish, stop_reason
+
+
+async def every_interval(
+    steps: AsyncIterator[EngineStep], interval: int
+) -> AsyncIterator[EngineStep]:
+    """Merge each sample's steps into one per `interval` tokens, as vLLM's stream_interval:
+    a sample's first step and its finished step are never held back."""
+    if interval <= 1:
+        async for step in steps:
+            yield step
+        return
+    pending: dict[int, EngineStep] = {}
+    sent: set[int] = set()
+    async for step in steps:
+        held = pending.pop(step.index, None)
+        if held is not None:
+            step = dataclasses.replace(
+                step,
+                token_ids=held.token_ids + step.token_ids,
+                text=held.text + step.text,
+                logprobs=(held.logprobs or []) + (step.logprobs or []) if step.logprobs else None,
+                prompt_logprobs=held.prompt_logprobs or step.prompt_logprobs,
+            )
+        if step.index not in sent or step.finished or len(step.token_ids) >= interval:
+            sent.add(step.index)
+            yield step
+        else:
+            pending[step.index] = step

@@ -42,7 +42,7 @@ from ..engine import (
 from ..engine.types import FinishReason
 from ..errors import EngineUnavailable, InvalidRequest, Unsupported
 from .mock_config import MockConfig
-from .mock_decode import SampleDecoder, cached_prefix, check_supported
+from .mock_decode import SampleDecoder, cached_prefix, check_supported, every_interval
 from .mock_sampling import mock_logprobs, validate_sampling
 
 NO_LORA = "the mock engine has no LoRA adapters"
@@ -185,7 +185,8 @@ class MockAsyncEngine:
         try:
             held = await self._wait_for_slot(state)
             state.running = held
-            async for step in self._decode(state):
+            interval = request.sampling.stream_interval or 1
+            async for step in every_interval(self._decode(state), interval):
                 finished = step.finished
                 yield step
         finally:

@@ -51,6 +51,10 @@ def validate_sampling(s: SamplingOptions, detokenize: bool) -> None:
             s.repetition_penalty > 0.0,
             f"repetition_penalty must be greater than zero, got {s.repetition_penalty}.",
         )
+    if s.stream_interval is not None:
+        check(
+            s.stream_interval >= 1, f"stream_interval must be at least 1, got {s.stream_interval}."
+        )
     if s.max_tokens is not None:
         check(s.max_tokens >= 1, f"max_tokens must be at least 1, got {s.max_tokens}.")
         check(
