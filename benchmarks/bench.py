@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import os
 import socket
@@ -21,7 +22,9 @@ import urllib.request
 from pathlib import Path
 
 import clients
-from workload import Workload, summarize
+from procstat import CpuWindow, rss_mb
+from report import write_results
+from workload import Workload, add_cpu, summarize
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -30,7 +33,10 @@ ENGINE_FLAGS = ["--gpu-memory-utilization", "0.3", "--enforce-eager"]
 TARGETS = (
     "engine",
     "ours",
+    "ours-si4",
+    "ours-metrics",
     "vllm-grpc",
+    "vllm-grpc-si4",
     "vllm-http",
     "router-ours",
     "router-vllm-grpc",
@@ -39,12 +45,31 @@ TARGETS = (
 )
 # Router targets: the SMG router (OpenAI streaming chat) in front of this worker target.
 ROUTED = {"router-ours": "ours", "router-vllm-grpc": "vllm-grpc"}
+# Targets served by another target's server, with a different request.
+SAME_SERVER = {**ROUTED, "ours-si4": "ours"}
+# Stream interval 4: ours per request (SamplingParams.stream_interval), vLLM's --grpc
+# launcher engine-wide (--stream-interval 4: it has no per-request field).
+STREAM_INTERVAL = {"ours-si4": 4, "vllm-grpc-si4": 4}
+CLIENT = {
+    "ours": clients.ours,
+    "ours-si4": clients.ours,
+    "ours-metrics": clients.ours,
+    "ours-mock": clients.ours,
+    "grpc-floor": clients.ours,
+    "vllm-grpc": clients.vllm_grpc,
+    "vllm-grpc-si4": clients.vllm_grpc,
+    "vllm-http": clients.vllm_http,
+    "router-ours": clients.openai_chat,
+    "router-vllm-grpc": clients.openai_chat,
+}
 SMG = ROOT / ".venv-router" / "bin" / "smg"
 
 
 def warm_up(workload: Workload) -> Workload:
-    """Two waves at the measured concurrency: the engine's first large batches are slow."""
-    return Workload(**{**workload.__dict__, "requests": 2 * workload.concurrency})
+    """Waves at the measured concurrency (the engine's first large batches are slow): two
+    for short outputs, one for long ones."""
+    waves = 2 if workload.output_len <= 64 else 1
+    return dataclasses.replace(workload, requests=waves * workload.concurrency)
 
 
 def free_port() -> int:
@@ -58,8 +83,12 @@ def command(target: str, model: str, port: int, max_model_len: int) -> list[str]
     py = sys.executable
     return {
         "ours": [str(BIN / "vllm-servicer"), "--port", str(port), *flags],
+        "ours-metrics": [str(BIN / "vllm-servicer"), "--port", str(port), "--metrics-port", "0",
+                         *flags],
         "vllm-grpc": [py, "-m", "vllm.entrypoints.launchers.grpc_server", "--host", "127.0.0.1",
                       "--port", str(port), *flags],
+        "vllm-grpc-si4": [py, "-m", "vllm.entrypoints.launchers.grpc_server", "--host",
+                          "127.0.0.1", "--port", str(port), "--stream-interval", "4", *flags],
         "vllm-http": [py, "-m", "vllm.entrypoints.openai.api_server", "--host", "127.0.0.1",
                       "--port", str(port), *flags],
         "ours-mock": [str(BIN / "vllm-servicer"), "--mock-engine", "--port", str(port),
@@ -80,7 +109,7 @@ async def wait_ready(target: str, address: str, process: subprocess.Popen, timeo
             else:
                 async with grpc_channel(address) as channel:
                     await asyncio.wait_for(channel.channel_ready(), 2)
-                    if target in ("grpc-floor", "vllm-grpc"):
+                    if target in ("grpc-floor", "vllm-grpc", "vllm-grpc-si4"):
                         return
                     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -148,7 +177,7 @@ async def measure_server(
 ) -> list[dict]:
     port = free_port()
     address = f"127.0.0.1:{port}"
-    worker = ROUTED.get(target, target)
+    worker = SAME_SERVER.get(target, target)
     process = _spawn(worker, args, port)
     router: subprocess.Popen | None = None
     try:
@@ -158,22 +187,27 @@ async def measure_server(
             address = base
         results = []
         for workload in levels:
-            make = {
-                "ours": clients.ours,
-                "ours-mock": clients.ours,
-                "grpc-floor": clients.ours,
-                "vllm-grpc": clients.vllm_grpc,
-                "vllm-http": clients.vllm_http,
-                "router-ours": clients.openai_chat,
-                "router-vllm-grpc": clients.openai_chat,
-            }[target]
-            close, one = make(f"http://{address}" if target == "vllm-http" else address, workload)
+            if target == "ours-si4":
+                workload = dataclasses.replace(workload, stream_interval=4)
+            url = f"http://{address}" if target == "vllm-http" else address
+            close, one = CLIENT[target](url, workload)
+            # Front-end CPU: the worker's own process (not its engine-core child); and
+            # the router's, for the router targets.
+            cpu = CpuWindow(process.pid, *([router.pid] if router is not None else []))
             try:
                 await clients.drive(warm_up(workload), one)
+                cpu.start()
                 records, wall = await clients.drive(workload, one)
+                seconds = cpu.stop()
             finally:
                 await close()
             result = summarize(target, workload, records, wall)
+            add_cpu(result, seconds[0], rss_mb(process.pid))
+            result["stream_interval"] = STREAM_INTERVAL.get(target, 1)
+            if router is not None:
+                result["router_cpu_us_per_token"] = result["cpu_us_per_token"] * (
+                    seconds[1] / seconds[0] if seconds[0] else float("nan")
+                )
             # What each server does with text: vLLM's gRPC launcher never detokenizes,
             # its HTTP server always does; ours and the engine do as the workload asks.
             # Through the router: it detokenizes; the workers send token ids.
@@ -213,65 +247,20 @@ def measure_engine(args: argparse.Namespace, levels: list[Workload]) -> list[dic
     return results
 
 
-def table(results: list[dict]) -> str:
-    engine = {r["concurrency"]: r for r in results if r["target"] == "engine"}
-    header = (
-        "| target | conc | text | tokens/s | x engine | req/s | TTFT p50 / p90 / p99 ms | "
-        "ITL p50 / p99 ms | msgs/req | errors |"
-    )
-    lines = [header, "|" + "---|" * 10]
-    for r in sorted(results, key=lambda r: (r["concurrency"], TARGETS.index(r["target"]))):
-        base = engine.get(r["concurrency"])
-        ratio = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}" if base else "-"
-        lines.append(
-            f"| {r['target']} | {r['concurrency']} | {'yes' if r.get('text') else 'no'} | "
-            f"{r['tokens_per_s']:,.0f} | {ratio} | "
-            f"{r['requests_per_s']:.1f} | {r['ttft_p50_ms']:.1f} / {r['ttft_p90_ms']:.1f} / "
-            f"{r['ttft_p99_ms']:.1f} | {r['itl_p50_ms']:.2f} / {r['itl_p99_ms']:.2f} | "
-            f"{r['messages_per_request']:.1f} | {r['errors']} |"
-        )
-    return "\n".join(lines)
-
-
-def plot(results: list[dict], path: Path) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot", file=sys.stderr)
-        return False
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    for target in TARGETS:
-        rows = sorted((r for r in results if r["target"] == target), key=lambda r: r["concurrency"])
-        if not rows:
-            continue
-        xs = [r["concurrency"] for r in rows]
-        left.plot(xs, [r["tokens_per_s"] for r in rows], marker="o", label=target)
-        right.plot(xs, [r["ttft_p99_ms"] for r in rows], marker="o", label=target)
-    for axis, title in ((left, "output tokens/s"), (right, "TTFT p99 (ms)")):
-        axis.set_xscale("log", base=2)
-        axis.set_xlabel("concurrent requests")
-        axis.set_title(title)
-        axis.grid(alpha=0.3)
-    right.set_yscale("log")
-    left.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    return True
-
-
 async def run(args: argparse.Namespace) -> None:
     levels = [
         Workload(
-            requests=max(args.min_requests, c * args.requests_per_slot),
+            requests=max(
+                args.min_requests,
+                c * (args.requests_per_slot if output_len <= 64 else args.long_requests_per_slot),
+            ),
             concurrency=c,
             prompt_len=args.prompt_len,
-            output_len=args.output_len,
+            output_len=output_len,
             sampled=args.sampled,
             skip_detokenize=not args.detokenize,
         )
+        for output_len in args.output_lens
         for c in args.concurrency
     ]
     results: list[dict] = []
@@ -281,30 +270,21 @@ async def run(args: argparse.Namespace) -> None:
             results += measure_engine(args, levels)
         else:
             results += await measure_server(target, args, levels)
-    write_results(results, args.out)
-
-
-def write_results(results: list[dict], out: Path) -> None:
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    with open(out / f"bench-{stamp}.jsonl", "w") as jsonl:
-        for result in results:
-            jsonl.write(json.dumps(result) + "\n")
-    markdown = table(results)
-    (out / "latest.md").write_text(markdown + "\n")
-    plotted = plot(results, out / "latest.png")
-    print("\n" + markdown)
-    print(f"\nwritten: {out}/latest.md, bench-{stamp}.jsonl" + (", latest.png" if plotted else ""))
+    write_results(results, args.out, TARGETS)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", help="model dir (default: the built-in tiny model)")
     parser.add_argument("--targets", default=",".join(TARGETS))
-    parser.add_argument("--concurrency", default="1,16,64")
+    parser.add_argument("--concurrency", default="1,16,64,256")
+    parser.add_argument("--output-lens", default="64,400", help="one run of every level per length")
     parser.add_argument("--requests-per-slot", type=int, default=4)
+    parser.add_argument(
+        "--long-requests-per-slot", type=int, default=1, help="for output lengths above 64"
+    )
     parser.add_argument("--min-requests", type=int, default=16)
     parser.add_argument("--prompt-len", type=int, default=32)
-    parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--max-model-len", type=int, default=512)
     parser.add_argument("--sampled", action="store_true", help="temperature 0.8 instead of greedy")
     parser.add_argument(
@@ -320,6 +300,7 @@ def main() -> None:
     if unknown:
         parser.error(f"unknown targets {sorted(unknown)}; choose from {', '.join(TARGETS)}")
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
+    args.output_lens = [int(n) for n in args.output_lens.split(",")]
     args.out.mkdir(parents=True, exist_ok=True)
     if not args.model:
         from vllm_router.testing.tiny_model import build_tiny_model

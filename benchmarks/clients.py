@@ -48,6 +48,11 @@ def ours(address: str, workload: Workload) -> tuple[Callable[[], Awaitable[None]
             max_tokens=workload.output_len,
             ignore_eos=True,
             seed=i,
+            **(
+                {"stream_interval": workload.stream_interval}
+                if workload.stream_interval > 1
+                else {}
+            ),
         )
         async for message in stream:
             record.message(len(message.token_ids))

@@ -1,4 +1,8 @@
-"""The limit: the same AsyncLLM driven in-process, no RPC. Prints one JSON line per level."""
+"""The limit: the same AsyncLLM driven in-process, no RPC. Prints one JSON line per level.
+
+Its front-end CPU is this whole process (AsyncLLM's output handling and the trivial
+client loop); the engine core runs in its own process and is not counted.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +10,8 @@ import argparse
 import json
 
 from clients import drive
-from workload import Record, Workload, summarize
+from procstat import CpuWindow, rss_mb
+from workload import Record, Workload, add_cpu, summarize
 
 
 async def main(args: argparse.Namespace) -> None:
@@ -45,8 +50,11 @@ async def main(args: argparse.Namespace) -> None:
             workload = Workload(**spec)
             warm_up = Workload(**{**spec, "requests": 2 * workload.concurrency})
             await drive(warm_up, one_for(workload))
+            cpu = CpuWindow(None)
+            cpu.start()
             records, wall = await drive(workload, one_for(workload))
             result = summarize("engine", workload, records, wall)
+            add_cpu(result, cpu.stop()[0], rss_mb())
             result["text"] = not workload.skip_detokenize
             print("RESULT " + json.dumps(result), flush=True)
     finally:

@@ -17,6 +17,8 @@ class Workload:
     sampled: bool = False
     skip_detokenize: bool = False
     vocab: int = 500
+    # Ask for a message every this many tokens (ours: SamplingParams.stream_interval).
+    stream_interval: int = 1
 
     def prompts(self) -> list[list[int]]:
         rng = random.Random(1234)
@@ -77,6 +79,14 @@ def summarize(target: str, workload: Workload, records: list[Record], wall: floa
         "itl_p99_ms": _pct(itl, 99),
         "messages_per_request": statistics.mean(len(r.message_times) for r in ok) if ok else 0,
         "tokens_per_request": tokens / len(ok) if ok else 0,
+        "output_len": workload.output_len,
         "errors": len(records) - len(ok),
         "first_error": next((r.error for r in records if r.error), None),
     }
+
+
+def add_cpu(result: dict, front_end_seconds: float, rss: float) -> None:
+    """Front-end CPU microseconds per generated token, and the server's resident memory."""
+    tokens = result["tokens_per_request"] * (result["requests"] - result["errors"])
+    result["cpu_us_per_token"] = front_end_seconds * 1e6 / tokens if tokens else float("nan")
+    result["rss_mb"] = rss
