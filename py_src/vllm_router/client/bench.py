@@ -41,10 +41,12 @@ async def run(
     concurrency: int,
     prompt_tokens: int,
     max_tokens: int,
+    stream_interval: int = 1,
     progress: Any = None,
 ) -> dict[str, Any]:
     """Run the load; returns the summary (what `summary_rows` prints)."""
     vocab = (await worker.model_info()).vocab_size
+    extra: dict[str, Any] = {"stream_interval": stream_interval} if stream_interval > 1 else {}
     rng = random.Random(0)
     prompts = [[rng.randrange(1, vocab) for _ in range(prompt_tokens)] for _ in range(requests)]
     timings = [Timing() for _ in range(requests)]
@@ -55,7 +57,12 @@ async def run(
         timing.start = last = time.perf_counter()
         try:
             stream = worker.stream(
-                prompts[i], skip_detokenize=True, max_tokens=max_tokens, ignore_eos=True, seed=i
+                prompts[i],
+                skip_detokenize=True,
+                max_tokens=max_tokens,
+                ignore_eos=True,
+                seed=i,
+                **extra,
             )
             async for message in stream:
                 now = time.perf_counter()

@@ -141,6 +141,7 @@ async def run_bench(worker: WorkerClient, args: argparse.Namespace) -> int:
             concurrency=args.concurrency,
             prompt_tokens=args.prompt_tokens,
             max_tokens=args.max_tokens,
+            stream_interval=args.stream_interval,
             progress=progress,
         )
     finally:
@@ -191,6 +192,7 @@ def parser() -> argparse.ArgumentParser:
     load.add_argument("-c", "--concurrency", type=int, default=8)
     load.add_argument("--prompt-tokens", type=int, default=32)
     load.add_argument("--max-tokens", type=int, default=64)
+    load.add_argument("--stream-interval", type=int, default=1, help="a message every N tokens")
     return top
 
 
