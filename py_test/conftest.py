@@ -99,6 +99,10 @@ async def real(otlp: TraceReceiver) -> AsyncIterator[Harness]:
     os.environ["OTEL_BSP_SCHEDULE_DELAY"] = "100"
     tracing = {"otlp_traces_endpoint": otlp.endpoint}
     async for harness in _real_harness(**real_engine.kv_events_config(free_port()), **tracing):
+        # vLLM left the endpoint in the environment for its own children; processes
+        # started later (reference servers, other engines) must not trace into it.
+        for name in ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_BSP_SCHEDULE_DELAY"):
+            os.environ.pop(name, None)
         yield harness
 
 
