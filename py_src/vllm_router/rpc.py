@@ -12,12 +12,13 @@ import functools
 import inspect
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, NoReturn, Protocol, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import grpc
 
+from .engine import AsyncEngine
 from .errors import InvalidRequest, status_for
-from .serving.metrics import ServicerMetrics
+from .serving import RequestTable, ServicerMetrics, ServingState
 
 logger = logging.getLogger(__name__)
 
@@ -45,15 +46,27 @@ async def abort_with(context: grpc.aio.ServicerContext, exc: Exception) -> NoRet
     raise AssertionError("unreachable: context.abort raises")
 
 
-class ObservedServicer(Protocol):
-    """What `handles_errors` reads off the servicer: where to count finished RPCs."""
+class ContractServicer:
+    """What every contract's servicer holds: the shared engine, request table and serving
+    state, and where `handles_errors` counts finished RPCs (`service_label` names them)."""
 
     service_label: str
-    rpc_metrics: ServicerMetrics | None
+
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        requests: RequestTable,
+        state: ServingState,
+        metrics: ServicerMetrics | None = None,
+    ) -> None:
+        self.rpc_metrics = metrics
+        self._engine = engine
+        self._requests = requests
+        self._state = state
 
 
 def _count(
-    servicer: ObservedServicer, method: str, code: grpc.StatusCode | None, context: Any
+    servicer: ContractServicer, method: str, code: grpc.StatusCode | None, context: Any
 ) -> None:
     metrics = servicer.rpc_metrics
     if metrics is None:
@@ -77,7 +90,7 @@ def handles_errors(handler: Handler) -> Handler:
 
         @functools.wraps(handler)
         async def stream(
-            self: ObservedServicer, request: Any, context: grpc.aio.ServicerContext
+            self: ContractServicer, request: Any, context: grpc.aio.ServicerContext
         ) -> Any:
             code: grpc.StatusCode | None = None
             try:
@@ -101,7 +114,7 @@ def handles_errors(handler: Handler) -> Handler:
     unary_handler: Callable[..., Awaitable[Any]] = handler
 
     @functools.wraps(handler)
-    async def unary(self: ObservedServicer, request: Any, context: grpc.aio.ServicerContext) -> Any:
+    async def unary(self: ContractServicer, request: Any, context: grpc.aio.ServicerContext) -> Any:
         code: grpc.StatusCode | None = None
         try:
             if isinstance(request, Malformed):

@@ -18,14 +18,14 @@ from .engine import AsyncEngine, GenerationRequest, LoadSnapshot
 from .errors import InvalidRequest, Unsupported
 from .proto import vllm_engine_pb2 as pb
 from .proto import vllm_engine_pb2_grpc as pb_grpc
-from .rpc import handles_errors
+from .rpc import ContractServicer, handles_errors
 from .serving import RequestTable, ServicerMetrics, ServingState
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["VllmEngine"].full_name
 Context: TypeAlias = grpc.aio.ServicerContext
 
 
-class VllmEngineServicer(pb_grpc.VllmEngineServicer):
+class VllmEngineServicer(ContractServicer, pb_grpc.VllmEngineServicer):
     service_label = SERVICE_NAME
 
     def __init__(
@@ -35,10 +35,7 @@ class VllmEngineServicer(pb_grpc.VllmEngineServicer):
         state: ServingState,
         metrics: ServicerMetrics | None = None,
     ) -> None:
-        self.rpc_metrics = metrics
-        self._engine = engine
-        self._requests = requests
-        self._state = state
+        super().__init__(engine, requests, state, metrics)
         self._metrics_for: LoadSnapshot | None = None
         self._metrics = pb.WorkerMetrics()
         self._tokenizer_sha256: str | None = None

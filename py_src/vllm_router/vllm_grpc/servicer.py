@@ -21,7 +21,7 @@ from ..convert import checked_request_id, trace_headers
 from ..engine import AsyncEngine, TokenLogprob
 from ..errors import NotConfigured, Unsupported
 from ..responses import SampleAccumulator
-from ..rpc import handles_errors
+from ..rpc import ContractServicer, handles_errors
 from ..serving import RequestTable, ServicerMetrics, ServingState
 from . import convert, responses
 
@@ -29,7 +29,7 @@ SERVICE_NAME = vpb.DESCRIPTOR.services_by_name["VllmEngine"].full_name
 Context: TypeAlias = grpc.aio.ServicerContext
 
 
-class VllmGrpcServicer(vpb_grpc.VllmEngineServicer):
+class VllmGrpcServicer(ContractServicer, vpb_grpc.VllmEngineServicer):
     service_label = SERVICE_NAME
 
     def __init__(
@@ -39,10 +39,7 @@ class VllmGrpcServicer(vpb_grpc.VllmEngineServicer):
         state: ServingState,
         metrics: ServicerMetrics | None = None,
     ) -> None:
-        self.rpc_metrics = metrics
-        self._engine = engine
-        self._requests = requests
-        self._state = state
+        super().__init__(engine, requests, state, metrics)
         self._started = time.monotonic()
         self._eos = frozenset(engine.facts.eos_token_ids)
         self._tokenizer_zip: bytes | None = None
