@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, NoReturn, TypeVar
 
@@ -60,6 +61,7 @@ class ContractServicer:
         metrics: ServicerMetrics | None = None,
     ) -> None:
         self.rpc_metrics = metrics
+        self.started = time.monotonic()  # for the uptime a contract may report
         self._engine = engine
         self._requests = requests
         self._state = state
@@ -134,9 +136,11 @@ def handles_errors(handler: Handler) -> Handler:
     return unary  # type: ignore[return-value]
 
 
+_CODE_BY_VALUE = {status.value[0]: status for status in grpc.StatusCode}
+
+
 def _aborted_code(context: grpc.aio.ServicerContext) -> grpc.StatusCode:
     code = context.code()
     if isinstance(code, grpc.StatusCode):
         return code
-    by_value = {status.value[0]: status for status in grpc.StatusCode}
-    return by_value.get(code, grpc.StatusCode.UNKNOWN)  # type: ignore[arg-type]
+    return _CODE_BY_VALUE.get(code, grpc.StatusCode.UNKNOWN)  # type: ignore[arg-type]

@@ -14,12 +14,11 @@ import grpc
 
 from . import convert, responses
 from .contract import tokenizer_digest
-from .engine import AsyncEngine, GenerationRequest, LoadSnapshot
+from .engine import GenerationRequest, LoadSnapshot
 from .errors import InvalidRequest, Unsupported
 from .proto import vllm_engine_pb2 as pb
 from .proto import vllm_engine_pb2_grpc as pb_grpc
 from .rpc import ContractServicer, handles_errors
-from .serving import RequestTable, ServicerMetrics, ServingState
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["VllmEngine"].full_name
 Context: TypeAlias = grpc.aio.ServicerContext
@@ -27,18 +26,10 @@ Context: TypeAlias = grpc.aio.ServicerContext
 
 class VllmEngineServicer(ContractServicer, pb_grpc.VllmEngineServicer):
     service_label = SERVICE_NAME
-
-    def __init__(
-        self,
-        engine: AsyncEngine,
-        requests: RequestTable,
-        state: ServingState,
-        metrics: ServicerMetrics | None = None,
-    ) -> None:
-        super().__init__(engine, requests, state, metrics)
-        self._metrics_for: LoadSnapshot | None = None
-        self._metrics = pb.WorkerMetrics()
-        self._tokenizer_sha256: str | None = None
+    # Per-instance caches, set on first use (immutable defaults).
+    _metrics_for: LoadSnapshot | None = None
+    _metrics: pb.WorkerMetrics
+    _tokenizer_sha256: str | None = None
 
     def _generation(self, request: pb.GenerateRequest, context: Context) -> GenerationRequest:
         trace = convert.trace_headers(context.invocation_metadata())

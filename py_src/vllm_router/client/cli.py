@@ -17,13 +17,12 @@ from typing import Any
 
 from google.protobuf.json_format import MessageToDict
 
-from ..contract import DEFAULT_ADDRESS
+from ..contract import API_KEY_ENV, DEFAULT_ADDRESS
 from .bench import run as run_load
 from .bench import summary_rows
 from .errors import WorkerError
 from .worker import Tls, WorkerClient
 
-API_KEY_ENV = "VLLM_SERVICER_API_KEY"
 Command = Callable[[WorkerClient, argparse.Namespace], Coroutine[Any, Any, int]]
 
 

@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from ..contract import DEFAULT_ADDRESS
+from ..contract import DEFAULT_ADDRESS, DEFAULT_MAX_MESSAGE_BYTES
 from ..proto import vllm_engine_pb2 as pb
 from ..proto import vllm_engine_pb2_grpc as pb_grpc
 from .errors import UnsupportedError, from_rpc_error
@@ -70,7 +70,7 @@ class WorkerClient:
         api_key: str | None = None,
         tls: Tls | None = None,
         timeout: float | None = 30.0,
-        max_message_bytes: int = 64 * 1024 * 1024,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     ) -> None:
         """`timeout` bounds every call but generation (which runs as long as it takes)."""
         target = f"unix:{uds}" if uds else address

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..contract import DEFAULT_HOST, DEFAULT_PORT
+from ..contract import API_KEY_ENV, DEFAULT_HOST, DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_PORT
 
 # Field metadata keys read by `vllm_router.dataclass_flags`.
 HELP = "help"
@@ -36,7 +36,8 @@ class ServerConfig:
         30.0, "on SIGTERM/SIGINT, how long in-flight requests may run before they are aborted"
     )
     max_message_bytes: int = _opt(
-        64 * 1024 * 1024, "largest request or response message; larger get RESOURCE_EXHAUSTED"
+        DEFAULT_MAX_MESSAGE_BYTES,
+        "largest request or response message; larger get RESOURCE_EXHAUSTED",
     )
     # Server-initiated pings find dead peers; clients may ping as often as
     # every `min_client_ping_interval_ms` without being sent GOAWAY.
@@ -72,7 +73,7 @@ class ServerConfig:
         repr=False,
         metadata={
             HELP: "require 'authorization: Bearer <key>' on every RPC but grpc.health.v1",
-            ENV: "VLLM_SERVICER_API_KEY",
+            ENV: API_KEY_ENV,
         },
     )
     metrics_port: int | None = _opt(

@@ -7,8 +7,8 @@ mapped by `rpc.handles_errors` exactly as for vllm.engine.v1.
 
 from __future__ import annotations
 
+import functools
 import itertools
-import time
 from collections.abc import AsyncIterator
 from typing import TypeAlias
 
@@ -18,11 +18,10 @@ from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vpb_grpc
 
 from ..convert import checked_request_id, trace_headers
-from ..engine import AsyncEngine, TokenLogprob
+from ..engine import TokenLogprob
 from ..errors import NotConfigured, Unsupported
 from ..responses import SampleAccumulator
 from ..rpc import ContractServicer, handles_errors
-from ..serving import RequestTable, ServicerMetrics, ServingState
 from . import convert, responses
 
 SERVICE_NAME = vpb.DESCRIPTOR.services_by_name["VllmEngine"].full_name
@@ -31,18 +30,11 @@ Context: TypeAlias = grpc.aio.ServicerContext
 
 class VllmGrpcServicer(ContractServicer, vpb_grpc.VllmEngineServicer):
     service_label = SERVICE_NAME
+    _tokenizer_zip: bytes | None = None  # built on first GetTokenizer
 
-    def __init__(
-        self,
-        engine: AsyncEngine,
-        requests: RequestTable,
-        state: ServingState,
-        metrics: ServicerMetrics | None = None,
-    ) -> None:
-        super().__init__(engine, requests, state, metrics)
-        self._started = time.monotonic()
-        self._eos = frozenset(engine.facts.eos_token_ids)
-        self._tokenizer_zip: bytes | None = None
+    @functools.cached_property
+    def _eos(self) -> frozenset[int]:
+        return frozenset(self._engine.facts.eos_token_ids)
 
     @handles_errors
     async def Generate(
@@ -149,7 +141,7 @@ class VllmGrpcServicer(ContractServicer, vpb_grpc.VllmEngineServicer):
     ) -> vpb.GetServerInfoResponse:
         await self._state.require_engine()
         active = len(self._requests.in_flight)
-        return responses.server_info(self._engine.facts, active, self._started)
+        return responses.server_info(self._engine.facts, active, self.started)
 
     @handles_errors
     async def GetLoads(
