@@ -33,6 +33,7 @@ ENGINE_FLAGS = ["--gpu-memory-utilization", "0.3", "--enforce-eager"]
 TARGETS = (
     "engine",
     "ours",
+    "ours-vllm-outputs",
     "ours-si4",
     "ours-metrics",
     "vllm-grpc",
@@ -53,6 +54,7 @@ STREAM_INTERVAL = {"ours-si4": 4, "vllm-grpc-si4": 4}
 CLIENT = {
     "ours": clients.ours,
     "ours-si4": clients.ours,
+    "ours-vllm-outputs": clients.ours,
     "ours-metrics": clients.ours,
     "ours-mock": clients.ours,
     "grpc-floor": clients.ours,
@@ -85,6 +87,8 @@ def command(target: str, model: str, port: int, max_model_len: int) -> list[str]
         "ours": [str(BIN / "vllm-servicer"), "--port", str(port), *flags],
         "ours-metrics": [str(BIN / "vllm-servicer"), "--port", str(port), "--metrics-port", "0",
                          *flags],
+        "ours-vllm-outputs": [str(BIN / "vllm-servicer"), "--port", str(port),
+                              "--no-lean-outputs", *flags],
         "vllm-grpc": [py, "-m", "vllm.entrypoints.launchers.grpc_server", "--host", "127.0.0.1",
                       "--port", str(port), *flags],
         "vllm-grpc-si4": [py, "-m", "vllm.entrypoints.launchers.grpc_server", "--host",
@@ -264,12 +268,16 @@ async def run(args: argparse.Namespace) -> None:
         for c in args.concurrency
     ]
     results: list[dict] = []
-    for target in args.targets:
-        print(f"== {target}", flush=True)
-        if target == "engine":
-            results += measure_engine(args, levels)
-        else:
-            results += await measure_server(target, args, levels)
+    for round_ in range(args.rounds):
+        # Each round starts one target later: no target always runs right after another.
+        shift = round_ % len(args.targets)
+        for target in args.targets[shift:] + args.targets[:shift]:
+            print(f"== {target} (round {round_ + 1} of {args.rounds})", flush=True)
+            if target == "engine":
+                measured = measure_engine(args, levels)
+            else:
+                measured = await measure_server(target, args, levels)
+            results += [{**result, "round": round_} for result in measured]
     write_results(results, args.out, TARGETS)
 
 
@@ -284,6 +292,12 @@ def main() -> None:
         "--long-requests-per-slot", type=int, default=1, help="for output lengths above 64"
     )
     parser.add_argument("--min-requests", type=int, default=16)
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run every target this many times, interleaved; the report shows medians",
+    )
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--max-model-len", type=int, default=512)
     parser.add_argument("--sampled", action="store_true", help="temperature 0.8 instead of greedy")

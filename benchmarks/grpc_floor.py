@@ -24,17 +24,34 @@ class FloorServicer(pb_grpc.VllmEngineServicer):
             for i in range(output_len)
         ]
 
+    async def GetModelInfo(self, request, context):
+        # Enough for `vllm-servicer-client bench` to drive this server.
+        return pb.GetModelInfoResponse(model_name="grpc-floor", vocab_size=512, max_model_len=512)
+
     async def GenerateStream(self, request, context):
         for message in self._messages:
             yield message
+
+
+def _channel_arg(text: str) -> tuple[str, int | str]:
+    name, _, value = text.partition("=")
+    return (name, int(value)) if value.lstrip("-").isdigit() else (name, value)
 
 
 async def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument(
+        "--option",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="a gRPC channel argument for the server (integers as such), to measure its effect",
+    )
     args = parser.parse_args()
-    server = grpc.aio.server()
+    options = [_channel_arg(text) for text in args.option]
+    server = grpc.aio.server(options=options)
     pb_grpc.add_VllmEngineServicer_to_server(FloorServicer(args.output_len), server)
     server.add_insecure_port(f"127.0.0.1:{args.port}")
     await server.start()

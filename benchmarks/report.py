@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -10,8 +11,32 @@ from pathlib import Path
 Key = tuple[str, int, int]  # target, output length, concurrency
 
 
+def _key(result: dict) -> Key:
+    return (result["target"], result.get("output_len", 64), result["concurrency"])
+
+
+def medians(results: list[dict]) -> list[dict]:
+    """One row per target and level: the median of each figure over the rounds, and the
+    CPU-per-token range (identical runs differ by tens of percent on a shared machine)."""
+    groups: dict[Key, list[dict]] = {}
+    for result in results:
+        groups.setdefault(_key(result), []).append(result)
+    merged = []
+    for rows in groups.values():
+        row = dict(rows[0])
+        for name, value in rows[0].items():
+            if isinstance(value, float):
+                row[name] = statistics.median(r[name] for r in rows if name in r)
+        cpu = [r["cpu_us_per_token"] for r in rows if "cpu_us_per_token" in r]
+        row["rounds"] = len(rows)
+        if len(cpu) > 1:
+            row["cpu_range"] = (min(cpu), max(cpu))
+        merged.append(row)
+    return merged
+
+
 def _index(results: list[dict]) -> dict[Key, dict]:
-    return {(r["target"], r.get("output_len", 64), r["concurrency"]): r for r in results}
+    return {_key(r): r for r in results}
 
 
 def table(results: list[dict], order: tuple[str, ...]) -> str:
@@ -30,6 +55,8 @@ def table(results: list[dict], order: tuple[str, ...]) -> str:
         base = by.get(("engine", out, r["concurrency"]))
         ratio = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}" if base else "-"
         cpu = f"{r.get('cpu_us_per_token', float('nan')):.0f}"
+        if "cpu_range" in r:
+            cpu += " ({:.0f} to {:.0f})".format(*r["cpu_range"])
         if "router_cpu_us_per_token" in r:
             cpu += f" (+router {r['router_cpu_us_per_token']:.0f})"
         lines.append(
@@ -47,6 +74,8 @@ def table(results: list[dict], order: tuple[str, ...]) -> str:
 TARGET_RATIOS = [
     ("CPU/token ours vs vllm-grpc", "ours", "vllm-grpc", "cpu_us_per_token", 0.8, "<="),
     ("CPU/token ours vs vllm-http", "ours", "vllm-http", "cpu_us_per_token", 0.6, "<="),
+    ("CPU/token ours vs ours-vllm-outputs", "ours", "ours-vllm-outputs", "cpu_us_per_token",
+     None, ""),
     ("CPU/token ours-si4 vs vllm-grpc", "ours-si4", "vllm-grpc", "cpu_us_per_token", 0.4, "<="),
     ("CPU/token ours-si4 vs vllm-grpc-si4", "ours-si4", "vllm-grpc-si4", "cpu_us_per_token",
      None, ""),
@@ -117,8 +146,15 @@ def write_results(results: list[dict], out: Path, order: tuple[str, ...]) -> Non
     with open(out / f"bench-{stamp}.jsonl", "w") as jsonl:
         for result in results:
             jsonl.write(json.dumps(result) + "\n")
-    markdown = table(results, order) + "\n\n" + target_ratios(results)
+    rows = medians(results)
+    rounds = max((row["rounds"] for row in rows), default=1)
+    note = (
+        f"Medians of {rounds} interleaved rounds; CPU µs/token with its range.\n\n"
+        if rounds > 1
+        else ""
+    )
+    markdown = note + table(rows, order) + "\n\n" + target_ratios(rows)
     (out / "latest.md").write_text(markdown + "\n")
-    plotted = plot(results, out / "latest.png", order)
+    plotted = plot(rows, out / "latest.png", order)
     print("\n" + markdown)
     print(f"\nwritten: {out}/latest.md, bench-{stamp}.jsonl" + (", latest.png" if plotted else ""))

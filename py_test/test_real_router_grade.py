@@ -157,13 +157,14 @@ async def test_get_tokenizer_sends_the_model_files(real: Harness) -> None:
 
 async def test_trace_context_reaches_vllm(real: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[Any] = []
-    original = real.engine.llm.generate
+    # Both output paths hand the request to vLLM through AsyncLLM.add_request.
+    original = real.engine.llm.add_request
 
     def recording(*args: Any, **kwargs: Any) -> Any:
         calls.append(kwargs.get("trace_headers"))
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(real.engine.llm, "generate", recording)
+    monkeypatch.setattr(real.engine.llm, "add_request", recording)
     parent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
     metadata = (("traceparent", parent), ("tracestate", "router=1"))
     await real.stub.Generate(request([5, 6], max_tokens=2), metadata=metadata)

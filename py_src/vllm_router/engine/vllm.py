@@ -27,9 +27,11 @@ from .types import (
     RankLoad,
 )
 from .vllm_facts import model_facts, read_tokenizer_files
+from .vllm_generate import VllmCall, lean_steps, request_output_steps
 from .vllm_kv_events import kv_event_batches
+from .vllm_lean import lean_eligible, lean_supported
 from .vllm_lora import LoraRegistry
-from .vllm_params import build_sampling_params, convert_logprobs, convert_prompt_logprobs, reraise
+from .vllm_params import build_sampling_params, reraise
 from .vllm_stats import LoadBoard, capture_engine_registry
 
 if TYPE_CHECKING:
@@ -42,8 +44,14 @@ logger = logging.getLogger(__name__)
 class VllmEngine:
     """The engine protocol over a running vLLM AsyncLLM."""
 
-    def __init__(self, llm: AsyncLLM, board: LoadBoard) -> None:
+    def __init__(self, llm: AsyncLLM, board: LoadBoard, *, lean_outputs: bool = True) -> None:
         self._llm = llm
+        # Token streams without a RequestOutput per step where a request allows it
+        # (vllm_lean.py); off when asked, or when this vLLM lacks the hand-off points.
+        self.lean_outputs = lean_outputs and lean_supported(llm)
+        if lean_outputs and not self.lean_outputs:
+            logger.warning("this vLLM version has no OutputProcessor hand-off; lean outputs off")
+        self.lean_streams = 0  # requests served on the lean path (for tests and debugging)
         self._board = board
         self._prometheus = capture_engine_registry()
         model_config = llm.vllm_config.model_config
@@ -57,7 +65,9 @@ class VllmEngine:
             )
 
     @classmethod
-    def from_engine_args(cls, engine_args: AsyncEngineArgs) -> VllmEngine:
+    def from_engine_args(
+        cls, engine_args: AsyncEngineArgs, *, lean_outputs: bool = True
+    ) -> VllmEngine:
         """Start an AsyncLLM (spawns the engine-core process) wired to our load board."""
         from vllm.usage.usage_lib import UsageContext
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -76,7 +86,7 @@ class VllmEngine:
             enable_log_requests=engine_args.enable_log_requests,
             disable_log_stats=False,
         )
-        return cls(llm, board)
+        return cls(llm, board, lean_outputs=lean_outputs)
 
     @property
     def facts(self) -> ModelFacts:
@@ -186,7 +196,9 @@ class VllmEngine:
             await outputs.aclose()
         raise EngineUnavailable("the engine ended the embedding request without a result")
 
-    async def generate(self, request: GenerationRequest) -> AsyncGenerator[EngineStep, None]:
+    def generate(self, request: GenerationRequest) -> AsyncGenerator[EngineStep, None]:
+        # A plain method returning the steps' generator: no extra generator layer per
+        # token; invalid parameters raise here, before the request reaches vLLM.
         ids = request.prompt_token_ids
         if ids is None:
             raise ValueError("VllmEngine.generate needs prompt_token_ids (tokenize text first)")
@@ -202,68 +214,22 @@ class VllmEngine:
             )
         except Exception as exc:
             reraise(exc)
-        lora = self._loras.request_for(request.lora_name)
-        # Rendered as vLLM's own completions server does: no tokenizer work and no
-        # thread-pool hop for a prompt that is already token ids.
-        prompt = self._llm.renderer.process_for_engine(
-            {"prompt_token_ids": ids}, arrival_time=time.time()
-        )
-        num_top = options.logprobs if options.logprobs is not None and options.logprobs > 0 else 0
-        want_logprobs = options.logprobs is not None
-        samples = params.n
-        produced = [0] * samples
-        last_token: list[int | None] = [None] * samples
-        prompt_top = options.prompt_logprobs
-        outputs = self._llm.generate(
-            prompt,
-            params,
-            request.request_id,
-            data_parallel_rank=request.dp_rank,
-            lora_request=lora,
+        call = VllmCall(
+            request_id=request.request_id,
+            # Rendered as vLLM's own completions server does: no tokenizer work and no
+            # thread-pool hop for a prompt that is already token ids.
+            prompt=self._llm.renderer.process_for_engine(
+                {"prompt_token_ids": ids}, arrival_time=time.time()
+            ),
+            prompt_token_ids=ids,
+            params=params,
+            lora_request=self._loras.request_for(request.lora_name),
             priority=request.priority,
+            data_parallel_rank=request.dp_rank,
             trace_headers=request.trace_headers,
+            detokenize=request.detokenize,
         )
-        try:
-            while True:
-                # Only vLLM's own call is translated: a failure in the conversion
-                # below is a bug of ours and must surface as one (INTERNAL).
-                try:
-                    out = await outputs.__anext__()
-                except StopAsyncIteration:
-                    return
-                except Exception as exc:
-                    reraise(exc)
-                for completion in out.outputs:
-                    index = completion.index
-                    token_ids = list(completion.token_ids)
-                    produced[index] += len(token_ids)
-                    if token_ids:
-                        last_token[index] = token_ids[-1]
-                    stop_reason = completion.stop_reason
-                    if completion.finish_reason == "stop" and stop_reason is None:
-                        stop_reason = last_token[index]  # EOS: report the EOS id that ended it
-                    step = EngineStep(
-                        token_ids=token_ids,
-                        text=completion.text,
-                        finished=completion.finish_reason is not None,
-                        finish_reason=completion.finish_reason,  # type: ignore[arg-type]
-                        stop_reason=stop_reason,
-                        prompt_tokens=len(out.prompt_token_ids or ()),
-                        completion_tokens=produced[index],
-                        cached_tokens=out.num_cached_tokens or 0,
-                        logprobs=convert_logprobs(token_ids, completion.logprobs, num_top)
-                        if want_logprobs
-                        else None,
-                        index=index,
-                    )
-                    if step.finished and out.kv_transfer_params:
-                        step.kv_transfer_params = out.kv_transfer_params
-                    if prompt_top is not None and index == 0 and out.prompt_logprobs:
-                        step.prompt_logprobs = convert_prompt_logprobs(
-                            ids, out.prompt_logprobs, prompt_top
-                        )
-                        prompt_top = None
-                    yield step
-        finally:
-            # Closing vLLM's generator early aborts the request inside the engine.
-            await outputs.aclose()
+        if self.lean_outputs and lean_eligible(options, params.n):
+            self.lean_streams += 1
+            return lean_steps(self._llm, call)
+        return request_output_steps(self._llm, call, options)

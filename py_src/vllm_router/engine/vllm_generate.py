@@ -1,0 +1,169 @@
+"""One generation on vLLM's AsyncLLM -> EngineSteps, on one of two output paths.
+
+`request_output_steps` reads vLLM's RequestOutputs (`AsyncLLM.generate`): every
+request can take it. `lean_steps` reads a `LeanStream` (vllm_lean.py) for requests that
+need neither logprobs nor several samples: the same tokens, text and finish, without a
+RequestOutput per step. Both end with the request gone from the engine: finished,
+aborted when the consumer leaves early, or failed with the engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from .types import EngineStep, SamplingOptions
+from .vllm_lean import LeanStream
+from .vllm_params import convert_logprobs, convert_prompt_logprobs, reraise
+
+if TYPE_CHECKING:
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+
+@dataclass(frozen=True, slots=True)
+class VllmCall:
+    """Everything AsyncLLM needs for one request, built by the adapter."""
+
+    request_id: str
+    prompt: Any  # vLLM's engine input, rendered from the prompt token ids
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    lora_request: Any
+    priority: int
+    data_parallel_rank: int | None
+    trace_headers: Mapping[str, str] | None
+    detokenize: bool
+
+
+def _stop_reason(
+    finish_reason: str | None, stop_reason: int | str | None, last: int | None
+) -> int | str | None:
+    # A request that ended on EOS reports the EOS id that ended it.
+    if finish_reason == "stop" and stop_reason is None:
+        return last
+    return stop_reason
+
+
+async def lean_steps(llm: AsyncLLM, call: VllmCall) -> AsyncGenerator[EngineStep, None]:
+    try:
+        queue = await llm.add_request(
+            call.request_id,
+            call.prompt,
+            call.params,
+            lora_request=call.lora_request,
+            trace_headers=call.trace_headers,
+            priority=call.priority,
+            data_parallel_rank=call.data_parallel_rank,
+        )
+    except Exception as exc:
+        reraise(exc)
+    state = llm.output_processor.request_states.get(queue.request_id)
+    stream = LeanStream(state, detokenize=call.detokenize)
+    prompt_tokens = len(call.prompt_token_ids)
+    produced = 0
+    last: int | None = None
+    try:
+        # Not seen in practice (the engine core cannot answer before add_request
+        # returns), but an output vLLM queued before the takeover is not lost.
+        try:
+            early = queue.get_nowait()
+        except Exception as exc:
+            reraise(exc)
+        if early is not None:
+            stream.absorb(early)
+        elif state is None:
+            raise RuntimeError(f"vLLM dropped request {call.request_id} before its first output")
+        while True:
+            try:
+                batch = await stream.next_batch()
+            except Exception as exc:
+                reraise(exc)
+            produced += len(batch.token_ids)
+            if batch.token_ids:
+                last = batch.token_ids[-1]
+            step = EngineStep(
+                token_ids=batch.token_ids,
+                text=batch.text,
+                finished=batch.finish_reason is not None,
+                finish_reason=batch.finish_reason,  # type: ignore[arg-type]
+                stop_reason=_stop_reason(batch.finish_reason, batch.stop_reason, last),
+                prompt_tokens=prompt_tokens,
+                completion_tokens=produced,
+                cached_tokens=batch.cached_tokens,
+            )
+            if step.finished:
+                step.kv_transfer_params = batch.kv_transfer_params
+                yield step
+                return
+            yield step
+    finally:
+        # A consumer that left early (client gone, cancelled) ends the request in the
+        # engine, as AsyncLLM.generate does.
+        if not stream.finished and not llm.errored:
+            await llm.abort(queue.request_id, internal=True)
+        queue.close()
+
+
+async def request_output_steps(
+    llm: AsyncLLM, call: VllmCall, options: SamplingOptions
+) -> AsyncGenerator[EngineStep, None]:
+    num_top = options.logprobs if options.logprobs is not None and options.logprobs > 0 else 0
+    want_logprobs = options.logprobs is not None
+    samples = call.params.n
+    produced = [0] * samples
+    last_token: list[int | None] = [None] * samples
+    prompt_top = options.prompt_logprobs
+    outputs = llm.generate(
+        call.prompt,
+        call.params,
+        call.request_id,
+        data_parallel_rank=call.data_parallel_rank,
+        lora_request=call.lora_request,
+        priority=call.priority,
+        trace_headers=call.trace_headers,
+    )
+    try:
+        while True:
+            # Only vLLM's own call is translated: a failure in the conversion
+            # below is a bug of ours and must surface as one (INTERNAL).
+            try:
+                out = await outputs.__anext__()
+            except StopAsyncIteration:
+                return
+            except Exception as exc:
+                reraise(exc)
+            for completion in out.outputs:
+                index = completion.index
+                token_ids = list(completion.token_ids)
+                produced[index] += len(token_ids)
+                if token_ids:
+                    last_token[index] = token_ids[-1]
+                step = EngineStep(
+                    token_ids=token_ids,
+                    text=completion.text,
+                    finished=completion.finish_reason is not None,
+                    finish_reason=completion.finish_reason,  # type: ignore[arg-type]
+                    stop_reason=_stop_reason(
+                        completion.finish_reason, completion.stop_reason, last_token[index]
+                    ),
+                    prompt_tokens=len(out.prompt_token_ids or ()),
+                    completion_tokens=produced[index],
+                    cached_tokens=out.num_cached_tokens or 0,
+                    logprobs=convert_logprobs(token_ids, completion.logprobs, num_top)
+                    if want_logprobs
+                    else None,
+                    index=index,
+                )
+                if step.finished and out.kv_transfer_params:
+                    step.kv_transfer_params = out.kv_transfer_params
+                if prompt_top is not None and index == 0 and out.prompt_logprobs:
+                    step.prompt_logprobs = convert_prompt_logprobs(
+                        call.prompt_token_ids, out.prompt_logprobs, prompt_top
+                    )
+                    prompt_top = None
+                yield step
+    finally:
+        # Closing vLLM's generator early aborts the request inside the engine.
+        await outputs.aclose()

@@ -1,0 +1,178 @@
+"""Lean outputs (engine/vllm_lean.py) on the real engine: the same steps as vLLM's
+RequestOutput path, request for request; the path is taken only where it may be; a
+request left early or aborted is gone from the engine; vLLM's own statistics still count
+every token and finish."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from vllm_router.engine import EngineStep, GenerationRequest, SamplingOptions
+
+from harness import Harness, collect_stream, delta, real_engine_idle, request, scrape, wait_until
+
+pytestmark = pytest.mark.vllm
+
+PROMPT = [11, 22, 33, 44, 55]
+
+
+@contextlib.contextmanager
+def output_path(harness: Harness, lean: bool) -> Iterator[None]:
+    engine = harness.engine
+    before = engine.lean_outputs
+    engine.lean_outputs = lean
+    try:
+        yield
+    finally:
+        engine.lean_outputs = before
+
+
+def generation(request_id: str, *, detokenize: bool = False, **sampling: Any) -> GenerationRequest:
+    return GenerationRequest(
+        request_id=request_id,
+        prompt_token_ids=PROMPT,
+        prompt_text=None,
+        sampling=SamplingOptions(**sampling),
+        detokenize=detokenize,
+    )
+
+
+async def run(harness: Harness, lean: bool, req: GenerationRequest) -> list[EngineStep]:
+    with output_path(harness, lean):
+        started = harness.engine.lean_streams
+        steps = [step async for step in harness.engine.generate(req)]
+        assert harness.engine.lean_streams - started == (1 if lean else 0)
+    return steps
+
+
+def outcome(steps: list[EngineStep]) -> dict[str, Any]:
+    last = steps[-1]
+    return {
+        "token_ids": [t for s in steps for t in s.token_ids],
+        "text": "".join(s.text for s in steps),
+        "finished": [s.finished for s in steps].count(True),
+        "finish_reason": last.finish_reason,
+        "stop_reason": last.stop_reason,
+        "usage": (last.prompt_tokens, last.completion_tokens, last.cached_tokens),
+    }
+
+
+CASES: dict[str, tuple[bool, dict[str, Any]]] = {
+    "greedy ids": (False, {"temperature": 0.0, "max_tokens": 24, "ignore_eos": True}),
+    "seeded sample ids": (False, {"temperature": 0.9, "seed": 7, "max_tokens": 20}),
+    "text": (True, {"temperature": 0.0, "max_tokens": 24, "ignore_eos": True}),
+    "stop token id": (False, {"temperature": 0.0, "max_tokens": 40, "ignore_eos": True}),
+    "stop string": (True, {"temperature": 0.0, "max_tokens": 40, "ignore_eos": True}),
+    "stop string kept": (
+        True,
+        {
+            "temperature": 0.0,
+            "max_tokens": 40,
+            "ignore_eos": True,
+            "include_stop_str_in_output": True,
+        },
+    ),
+    "eos by logit bias": (False, {"temperature": 0.0, "max_tokens": 16}),
+    "interval 4 text": (
+        True,
+        {"temperature": 0.0, "max_tokens": 19, "ignore_eos": True, "stream_interval": 4},
+    ),
+}
+
+
+async def _case_options(harness: Harness, name: str, options: dict[str, Any]) -> dict[str, Any]:
+    """Stop cases stop on what the free run produces, so they really stop mid-way."""
+    if name.startswith("stop"):
+        free = await run(harness, False, generation("probe", detokenize=True, **options))
+        tokens = [t for s in free for t in s.token_ids]
+        if name == "stop token id":
+            return {**options, "stop_token_ids": (tokens[9],)}
+        text = "".join(s.text for s in free)
+        return {**options, "stop": (text[len(text) // 2 : len(text) // 2 + 3],)}
+    if name == "eos by logit bias":
+        eos = harness.engine.facts.eos_token_ids[0]
+        return {**options, "logit_bias": {eos: 100.0}}
+    return options
+
+
+@pytest.mark.parametrize("name", list(CASES))
+async def test_lean_steps_equal_request_output_steps(real: Harness, name: str) -> None:
+    detokenize, options = CASES[name]
+    options = await _case_options(real, name, options)
+    reference = await run(real, False, generation(f"ref-{name}", detokenize=detokenize, **options))
+    lean = await run(real, True, generation(f"lean-{name}", detokenize=detokenize, **options))
+    assert outcome(lean) == outcome(reference)
+    if name.startswith("stop"):
+        assert outcome(lean)["finish_reason"] == "stop"
+        assert outcome(lean)["usage"][1] < options["max_tokens"]
+    if name == "eos by logit bias":
+        assert outcome(lean)["stop_reason"] == real.engine.facts.eos_token_ids[0]
+    if "stream_interval" in options:
+        sizes = [len(s.token_ids) for s in lean]
+        assert sizes[0] == 1 and all(size >= 4 for size in sizes[1:-1]), sizes
+    elif name != "eos by logit bias":  # that one ends on its first token
+        assert len(lean) > 1  # streamed step by step, not only at the end
+
+
+async def test_requests_that_need_request_outputs_take_vllms_path(real: Harness) -> None:
+    with output_path(real, True):
+        for name, options in {
+            "logprobs": {"logprobs": 2},
+            "prompt logprobs": {"prompt_logprobs": 1},
+            "two samples": {"n": 2, "temperature": 0.8, "seed": 3},
+        }.items():
+            started = real.engine.lean_streams
+            steps = [
+                s async for s in real.engine.generate(generation(name, max_tokens=4, **options))
+            ]
+            assert real.engine.lean_streams == started, name
+            assert steps[-1].finished
+
+
+async def test_leaving_early_or_abort_ends_the_request_in_the_engine(real: Harness) -> None:
+    with output_path(real, True):
+        steps = real.engine.generate(generation("left", max_tokens=200, ignore_eos=True))
+        taken = [await steps.__anext__() for _ in range(3)]
+        assert all(not s.finished for s in taken)
+        await steps.aclose()
+        await wait_until(lambda: real_engine_idle(real), what="engine idle after leaving early")
+
+        steps = real.engine.generate(generation("aborted", max_tokens=200, ignore_eos=True))
+        await steps.__anext__()
+        await real.engine.abort("aborted")
+        rest = [s async for s in steps]
+        assert rest[-1].finished and rest[-1].finish_reason == "abort"
+        assert rest[-1].completion_tokens < 200
+        await wait_until(lambda: real_engine_idle(real), what="engine idle after abort")
+
+
+async def test_grpc_clients_on_the_lean_path_are_cancelled_and_counted(real: Harness) -> None:
+    """Through the servicer: vLLM's own vllm: counters see every lean token and finish,
+    and a client that hangs up mid-stream leaves nothing decoding."""
+    before = await scrape(real.metrics_url)
+    started = real.engine.lean_streams
+    streams = await asyncio.gather(
+        *(
+            collect_stream(real.stub, request(PROMPT, max_tokens=12, ignore_eos=True, seed=i))
+            for i in range(4)
+        )
+    )
+    assert real.engine.lean_streams - started == 4
+    assert all(sum(len(m.token_ids) for m in s) == 12 for s in streams)
+    after = await scrape(real.metrics_url)
+    model = real.engine.facts.served_model_name
+    labels = {"engine": "0", "model_name": model}
+    assert delta(before, after, "vllm:generation_tokens_total", **labels) == 48
+    assert (
+        delta(before, after, "vllm:request_success_total", finished_reason="length", **labels) == 4
+    )
+
+    call = real.stub.GenerateStream(request(PROMPT, max_tokens=200, ignore_eos=True))
+    await call.read()
+    call.cancel()
+    await wait_until(lambda: real_engine_idle(real), what="engine idle after the client left")
