@@ -223,10 +223,12 @@ class VllmEngine:
             ),
             prompt_token_ids=ids,
             params=params,
-            lora_request=self._loras.request_for(request.lora_name),
-            priority=request.priority,
-            data_parallel_rank=request.dp_rank,
-            trace_headers=request.trace_headers,
+            options={
+                "lora_request": self._loras.request_for(request.lora_name),
+                "trace_headers": request.trace_headers,
+                "priority": request.priority,
+                "data_parallel_rank": request.dp_rank,
+            },
             detokenize=request.detokenize,
         )
         if self.lean_outputs and lean_eligible(options, params.n):

@@ -30,10 +30,9 @@ class VllmCall:
     prompt: Any  # vLLM's engine input, rendered from the prompt token ids
     prompt_token_ids: list[int]
     params: SamplingParams
-    lora_request: Any
-    priority: int
-    data_parallel_rank: int | None
-    trace_headers: Mapping[str, str] | None
+    # The keywords AsyncLLM.add_request and AsyncLLM.generate both take: lora_request,
+    # trace_headers, priority, data_parallel_rank.
+    options: Mapping[str, Any]
     detokenize: bool
 
 
@@ -48,15 +47,7 @@ def _stop_reason(
 
 async def lean_steps(llm: AsyncLLM, call: VllmCall) -> AsyncGenerator[EngineStep, None]:
     try:
-        queue = await llm.add_request(
-            call.request_id,
-            call.prompt,
-            call.params,
-            lora_request=call.lora_request,
-            trace_headers=call.trace_headers,
-            priority=call.priority,
-            data_parallel_rank=call.data_parallel_rank,
-        )
+        queue = await llm.add_request(call.request_id, call.prompt, call.params, **call.options)
     except Exception as exc:
         reraise(exc)
     state = llm.output_processor.request_states.get(queue.request_id)
@@ -115,15 +106,7 @@ async def request_output_steps(
     produced = [0] * samples
     last_token: list[int | None] = [None] * samples
     prompt_top = options.prompt_logprobs
-    outputs = llm.generate(
-        call.prompt,
-        call.params,
-        call.request_id,
-        data_parallel_rank=call.data_parallel_rank,
-        lora_request=call.lora_request,
-        priority=call.priority,
-        trace_headers=call.trace_headers,
-    )
+    outputs = llm.generate(call.prompt, call.params, call.request_id, **call.options)
     try:
         while True:
             # Only vLLM's own call is translated: a failure in the conversion
