@@ -38,7 +38,7 @@ def output(s: SimpleNamespace, ids: list[int], finish: str | None = None, stop: 
 
 
 async def due(stream: LeanStream) -> bool:
-    task = asyncio.ensure_future(stream.next_batch())
+    task = asyncio.ensure_future(stream.next_step())
     await asyncio.sleep(0)
     if task.done():
         return True
@@ -48,29 +48,29 @@ async def due(stream: LeanStream) -> bool:
 
 async def test_first_tokens_at_once_then_every_interval_and_the_finish_at_once() -> None:
     s = state(interval=4)
-    stream = LeanStream(s, detokenize=False)
+    stream = LeanStream(s, detokenize=False, prompt_tokens=5)
     output(s, [1])
-    first = await stream.next_batch()
+    first = await stream.next_step()
     assert (first.token_ids, first.finish_reason, first.cached_tokens) == ([1], None, 3)
     output(s, [2])
     output(s, [3])
     output(s, [4])
     assert not await due(stream)  # 3 of 4
     output(s, [5])
-    assert (await stream.next_batch()).token_ids == [2, 3, 4, 5]
+    assert (await stream.next_step()).token_ids == [2, 3, 4, 5]
     output(s, [6], finish="length")
-    last = await stream.next_batch()
+    last = await stream.next_step()
     assert (last.token_ids, last.finish_reason) == ([6], "length")
     assert stream.finished
 
 
 async def test_a_consumer_that_lags_gets_one_merged_batch_with_text() -> None:
     s = state(detokenizer=Detokenizer())
-    stream = LeanStream(s, detokenize=True)
+    stream = LeanStream(s, detokenize=True, prompt_tokens=5)
     output(s, [7])
     output(s, [8])
     output(s, [9], finish="stop", stop="<9>")
-    batch = await stream.next_batch()
+    batch = await stream.next_step()
     assert batch.token_ids == [7, 8, 9]
     assert batch.text == "<7><8><9>"
     assert (batch.finish_reason, batch.stop_reason) == ("stop", "<9>")
@@ -78,8 +78,8 @@ async def test_a_consumer_that_lags_gets_one_merged_batch_with_text() -> None:
 
 async def test_a_waiting_consumer_is_woken_by_the_output() -> None:
     s = state()
-    stream = LeanStream(s, detokenize=False)
-    waiting = asyncio.ensure_future(stream.next_batch())
+    stream = LeanStream(s, detokenize=False, prompt_tokens=5)
+    waiting = asyncio.ensure_future(stream.next_step())
     await asyncio.sleep(0)
     assert not waiting.done()
     output(s, [4, 5])
@@ -88,7 +88,7 @@ async def test_a_waiting_consumer_is_woken_by_the_output() -> None:
 
 async def test_an_abort_ends_the_stream_and_an_engine_error_reaches_the_consumer() -> None:
     s = state()
-    stream = LeanStream(s, detokenize=False)
+    stream = LeanStream(s, detokenize=False, prompt_tokens=5)
     # vLLM's abort_requests calls make_request_output with keywords.
     s.make_request_output(
         new_token_ids=[],
@@ -98,11 +98,11 @@ async def test_an_abort_ends_the_stream_and_an_engine_error_reaches_the_consumer
         kv_transfer_params=None,
         ec_transfer_params=None,
     )
-    assert (await stream.next_batch()).finish_reason == "abort"
+    assert (await stream.next_step()).finish_reason == "abort"
 
     s = state()
-    stream = LeanStream(s, detokenize=False)
-    waiting = asyncio.ensure_future(stream.next_batch())
+    stream = LeanStream(s, detokenize=False, prompt_tokens=5)
+    waiting = asyncio.ensure_future(stream.next_step())
     await asyncio.sleep(0)
     s.queue.put(RuntimeError("engine core died"))  # OutputProcessor.propagate_error
     with pytest.raises(RuntimeError, match="engine core died"):
@@ -116,8 +116,10 @@ async def test_an_output_queued_before_the_takeover_is_not_lost() -> None:
         ],
         kv_transfer_params={"handle": 1},
     )
-    stream = LeanStream(None, detokenize=True)  # vLLM already dropped the finished request
+    stream = LeanStream(
+        None, detokenize=True, prompt_tokens=5
+    )  # vLLM already dropped the finished request
     stream.absorb(early)
-    batch = await stream.next_batch()
+    batch = await stream.next_step()
     assert (batch.token_ids, batch.text, batch.finish_reason) == ([1, 2], "ab", "length")
     assert batch.kv_transfer_params == {"handle": 1}

@@ -22,14 +22,6 @@ def worker_metrics(load: LoadSnapshot) -> pb.WorkerMetrics:
     )
 
 
-def _usage(step: EngineStep) -> pb.Usage:
-    return pb.Usage(
-        prompt_tokens=step.prompt_tokens,
-        completion_tokens=step.completion_tokens,
-        cached_tokens=step.cached_tokens,
-    )
-
-
 def _logprobs(entries: list[TokenLogprob]) -> list[pb.TokenLogprob]:
     return [
         pb.TokenLogprob(

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .types import EngineStep, SamplingOptions
-from .vllm_lean import LeanStream
+from .vllm_lean import LeanStream, reported_stop_reason
 from .vllm_params import convert_logprobs, convert_prompt_logprobs, reraise
 
 if TYPE_CHECKING:
@@ -36,25 +36,13 @@ class VllmCall:
     detokenize: bool
 
 
-def _stop_reason(
-    finish_reason: str | None, stop_reason: int | str | None, last: int | None
-) -> int | str | None:
-    # A request that ended on EOS reports the EOS id that ended it.
-    if finish_reason == "stop" and stop_reason is None:
-        return last
-    return stop_reason
-
-
 async def lean_steps(llm: AsyncLLM, call: VllmCall) -> AsyncGenerator[EngineStep, None]:
     try:
         queue = await llm.add_request(call.request_id, call.prompt, call.params, **call.options)
     except Exception as exc:
         reraise(exc)
     state = llm.output_processor.request_states.get(queue.request_id)
-    stream = LeanStream(state, detokenize=call.detokenize)
-    prompt_tokens = len(call.prompt_token_ids)
-    produced = 0
-    last: int | None = None
+    stream = LeanStream(state, detokenize=call.detokenize, prompt_tokens=len(call.prompt_token_ids))
     try:
         # Not seen in practice (the engine core cannot answer before add_request
         # returns), but an output vLLM queued before the takeover is not lost.
@@ -66,28 +54,13 @@ async def lean_steps(llm: AsyncLLM, call: VllmCall) -> AsyncGenerator[EngineStep
             stream.absorb(early)
         elif state is None:
             raise RuntimeError(f"vLLM dropped request {call.request_id} before its first output")
-        while True:
+        finished = False
+        while not finished:
             try:
-                batch = await stream.next_batch()
+                step = await stream.next_step()
             except Exception as exc:
                 reraise(exc)
-            produced += len(batch.token_ids)
-            if batch.token_ids:
-                last = batch.token_ids[-1]
-            step = EngineStep(
-                token_ids=batch.token_ids,
-                text=batch.text,
-                finished=batch.finish_reason is not None,
-                finish_reason=batch.finish_reason,  # type: ignore[arg-type]
-                stop_reason=_stop_reason(batch.finish_reason, batch.stop_reason, last),
-                prompt_tokens=prompt_tokens,
-                completion_tokens=produced,
-                cached_tokens=batch.cached_tokens,
-            )
-            if step.finished:
-                step.kv_transfer_params = batch.kv_transfer_params
-                yield step
-                return
+            finished = step.finished
             yield step
     finally:
         # A consumer that left early (client gone, cancelled) ends the request in the
@@ -128,7 +101,7 @@ async def request_output_steps(
                     text=completion.text,
                     finished=completion.finish_reason is not None,
                     finish_reason=completion.finish_reason,  # type: ignore[arg-type]
-                    stop_reason=_stop_reason(
+                    stop_reason=reported_stop_reason(
                         completion.finish_reason, completion.stop_reason, last_token[index]
                     ),
                     prompt_tokens=len(out.prompt_token_ids or ()),

@@ -18,10 +18,9 @@ vLLM's collector merges deltas.
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
 from typing import Any
 
-from .types import SamplingOptions
+from .types import EngineStep, SamplingOptions
 
 
 def lean_eligible(options: SamplingOptions, samples: int) -> bool:
@@ -41,16 +40,13 @@ def lean_supported(llm: Any) -> bool:
     )
 
 
-@dataclass(slots=True)
-class LeanBatch:
-    """What arrived since the consumer last took: new ids, text delta, and the finish."""
-
-    token_ids: list[int]
-    text: str
-    finish_reason: str | None
-    stop_reason: int | str | None
-    kv_transfer_params: dict[str, Any] | None
-    cached_tokens: int
+def reported_stop_reason(
+    finish_reason: str | None, stop_reason: int | str | None, last_token: int | None
+) -> int | str | None:
+    """What a step reports as the match: a request that ended on EOS reports that EOS id."""
+    if finish_reason == "stop" and stop_reason is None:
+        return last_token
+    return stop_reason
 
 
 class LeanStream:
@@ -62,6 +58,9 @@ class LeanStream:
         "_finish",
         "_interval",
         "_kv_transfer_params",
+        "_last_token",
+        "_produced",
+        "_prompt_tokens",
         "_started",
         "_state",
         "_stop_reason",
@@ -70,9 +69,12 @@ class LeanStream:
         "_waiter",
     )
 
-    def __init__(self, state: Any | None, *, detokenize: bool) -> None:
+    def __init__(self, state: Any | None, *, detokenize: bool, prompt_tokens: int) -> None:
         """Takes over `state`; None: vLLM already dropped it (see `absorb`)."""
         self._state = state
+        self._prompt_tokens = prompt_tokens
+        self._produced = 0
+        self._last_token: int | None = None
         # vLLM's rule, per request: the first tokens at once, then every `interval`
         # tokens, the finish at once (RequestState.stream_interval folds in the
         # engine-wide --stream-interval).
@@ -148,22 +150,30 @@ class LeanStream:
             if not waiter.done():
                 waiter.set_result(None)
 
-    async def next_batch(self) -> LeanBatch:
-        """Waits until something is due, then takes everything buffered."""
+    async def next_step(self) -> EngineStep:
+        """Waits until something is due, then takes everything buffered as one step."""
         while not self._ready():
             self._waiter = asyncio.get_running_loop().create_future()
             await self._waiter
         if self._error is not None:
             raise self._error
-        batch = LeanBatch(
-            token_ids=self._token_ids,
-            text="".join(self._text) if self._text else "",
-            finish_reason=self._finish,
-            stop_reason=self._stop_reason,
-            kv_transfer_params=self._kv_transfer_params,
-            cached_tokens=self._state.num_cached_tokens if self._state is not None else 0,
-        )
+        token_ids = self._token_ids
         self._token_ids = []
+        self._produced += len(token_ids)
+        if token_ids:
+            self._last_token = token_ids[-1]
+        finish = self._finish
+        step = EngineStep(
+            token_ids=token_ids,
+            text="".join(self._text) if self._text else "",
+            finished=finish is not None,
+            finish_reason=finish,  # type: ignore[arg-type]
+            stop_reason=reported_stop_reason(finish, self._stop_reason, self._last_token),
+            prompt_tokens=self._prompt_tokens,
+            completion_tokens=self._produced,
+            cached_tokens=self._state.num_cached_tokens if self._state is not None else 0,
+            kv_transfer_params=self._kv_transfer_params,
+        )
         self._text.clear()
         self._started = True
-        return batch
+        return step
