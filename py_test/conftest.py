@@ -97,7 +97,7 @@ async def real(otlp: TraceReceiver) -> AsyncIterator[Harness]:
     and exports OpenTelemetry spans to the `otlp` collector (batched every 100 ms).
     """
     os.environ["OTEL_BSP_SCHEDULE_DELAY"] = "100"
-    tracing = {"otlp_traces_endpoint": otlp.endpoint}
+    tracing: dict[str, Any] = {"otlp_traces_endpoint": otlp.endpoint}
     async for harness in _real_harness(**real_engine.kv_events_config(free_port()), **tracing):
         # vLLM left the endpoint in the environment for its own children; processes
         # started later (reference servers, other engines) must not trace into it.

@@ -9,7 +9,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from harness import require
 
@@ -39,7 +39,7 @@ EMBED_FLAGS = {**BASE_FLAGS, "runner": "pooling", "convert": "embed"}
 LORA_NAME = "tiny-lora"
 
 
-def kv_events_config(tag: int) -> dict[str, object]:
+def kv_events_config(tag: int) -> dict[str, Any]:
     """Engine flags that publish KV-cache events on a local (ipc) ZMQ endpoint of its own."""
     endpoint = f"ipc://{tempfile.gettempdir()}/vllm-servicer-kv-{os.getpid()}-{tag}"
     return {
@@ -94,7 +94,7 @@ def start_engine(model: Path, engine_flags: dict[str, object] = ENGINE_FLAGS) ->
 
     from vllm_router.engine.vllm import VllmEngine
 
-    flags = dict(engine_flags)
+    flags: dict[str, Any] = dict(engine_flags)  # keyword arguments of AsyncEngineArgs
     if isinstance(flags.get("kv_events_config"), dict):
-        flags["kv_events_config"] = KVEventsConfig(**flags["kv_events_config"])  # type: ignore[arg-type]
+        flags["kv_events_config"] = KVEventsConfig(**flags["kv_events_config"])
     return VllmEngine.from_engine_args(AsyncEngineArgs(model=str(model), **flags))

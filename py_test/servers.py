@@ -65,9 +65,10 @@ async def start(*args: str, without_vllm: bool = False, timeout: float = 60.0) -
     )
     log: list[str] = []
     assert process.stdout is not None
+    stdout = process.stdout  # narrowed, for the closures below
 
     async def next_line() -> str:
-        raw = await process.stdout.readline()
+        raw = await stdout.readline()
         if not raw:
             raise RuntimeError("server exited before it was ready:\n" + "".join(log))
         line = raw.decode(errors="replace")
@@ -88,7 +89,7 @@ async def start(*args: str, without_vllm: bool = False, timeout: float = 60.0) -
         raise
 
     async def pump() -> None:
-        while raw := await process.stdout.readline():
+        while raw := await stdout.readline():
             log.append(raw.decode(errors="replace"))
 
     server = ServerProcess(process, port, log)

@@ -3,7 +3,9 @@ tokenizer fetched once and cached by digest."""
 
 from __future__ import annotations
 
+from collections.abc import AsyncGenerator
 from pathlib import Path
+from typing import cast
 
 import pytest
 
@@ -42,7 +44,11 @@ async def test_calls_and_answers(mock: Harness) -> None:
 
 async def test_leaving_a_stream_early_cancels_the_request(mock: Harness) -> None:
     async with WorkerClient(mock.address) as worker:
-        stream = worker.stream([10], request_id="left", max_tokens=3000, ignore_eos=True)
+        # stream() is an async generator, typed as an AsyncIterator: aclose() is there.
+        stream = cast(
+            "AsyncGenerator[pb.GenerateStreamResponse, None]",
+            worker.stream([10], request_id="left", max_tokens=3000, ignore_eos=True),
+        )
         async for _ in stream:
             assert mock.server.requests.in_flight == {"left"}
             break
@@ -57,7 +63,10 @@ async def test_errors_are_typed(start_mock: StartServer) -> None:
         with pytest.raises(InvalidRequestError) as err:
             await worker.generate([1] * 5000, max_tokens=1)
         assert "max_model_len" in err.value.details
-        busy = worker.stream([1], request_id="same", max_tokens=3000, ignore_eos=True)
+        busy = cast(
+            "AsyncGenerator[pb.GenerateStreamResponse, None]",
+            worker.stream([1], request_id="same", max_tokens=3000, ignore_eos=True),
+        )
         await busy.__anext__()
         with pytest.raises(AlreadyExistsError):
             await worker.generate([1], request_id="same", max_tokens=1)
@@ -67,9 +76,9 @@ async def test_errors_are_typed(start_mock: StartServer) -> None:
         await busy.aclose()
     async with WorkerClient(harness.address, api_key="wrong") as worker:
         assert await worker.health()  # grpc.health.v1 needs no key
-        with pytest.raises(AuthenticationError) as err:
+        with pytest.raises(AuthenticationError) as auth_err:
             await worker.model_info()
-        assert err.value.code.name == "UNAUTHENTICATED"
+        assert auth_err.value.code.name == "UNAUTHENTICATED"
     harness.engine.kill()
     async with WorkerClient(harness.address, api_key="key") as worker:
         with pytest.raises(UnavailableError):

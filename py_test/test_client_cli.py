@@ -42,6 +42,19 @@ def one_clear_line(rc: int, err: str, *expected: str) -> None:
         assert text in lines[0], lines[0]
 
 
+async def test_connection_options_work_after_the_command_too(mock: Harness) -> None:
+    """Probes are written `health --address HOST:PORT`, as grpc-health-probe and kubectl go."""
+    rc, out, err = await client("health", "--address", mock.address)
+    assert (rc, out.strip()) == (0, "SERVING"), err
+    rc, out, _ = await client("info", "--json", "--address", mock.address, "--timeout", "5")
+    assert rc == 0 and json.loads(out)["served_model_name"] == "mock-model"
+    # Given in both places, the one after the command wins.
+    rc, out, _ = await client("--address", "127.0.0.1:1", "health", "--address", mock.address)
+    assert (rc, out.strip()) == (0, "SERVING")
+    rc, _, err = await client("--address", mock.address, "health", "--address", "127.0.0.1:1")
+    one_clear_line(rc, err, "127.0.0.1:1", "UNAVAILABLE")
+
+
 async def test_commands_against_the_mock(mock: Harness) -> None:
     at = ("--address", mock.address)
     rc, out, _ = await client(*at, "info")

@@ -6,14 +6,17 @@ import dataclasses
 import importlib.util
 import math
 from collections.abc import Callable
+from typing import cast
 
 import pytest
 
-from vllm_router import convert, responses
+from vllm_router.contracts.vllm_engine_v1 import convert, responses
+from vllm_router.contracts.vllm_engine_v1.rules import tokenizer_digest
+from vllm_router.core.accumulate import RequestResult
+from vllm_router.core.prompts import check_prompt
 from vllm_router.engine import EngineStep, ModelFacts, SamplingOptions, TokenLogprob
 from vllm_router.errors import InvalidRequest, Unsupported
 from vllm_router.proto import vllm_engine_pb2 as pb
-from vllm_router.serving.prompts import check_prompt
 
 from harness import require
 
@@ -43,8 +46,16 @@ def test_generation_request_fields() -> None:
     ("req", "error", "needle"),
     [
         (pb.GenerateRequest(prompt_token_ids=[1], dp_rank=2), InvalidRequest, "0..1"),
-        (pb.GenerateRequest(prompt_token_ids=[1], execution_mode=1), Unsupported, "PREFILL"),
-        (pb.GenerateRequest(prompt_token_ids=[1], execution_mode=9), InvalidRequest, "9"),
+        (
+            pb.GenerateRequest(prompt_token_ids=[1], execution_mode=cast("pb.ExecutionMode", 1)),
+            Unsupported,
+            "PREFILL",
+        ),
+        (
+            pb.GenerateRequest(prompt_token_ids=[1], execution_mode=cast("pb.ExecutionMode", 9)),
+            InvalidRequest,
+            "9",
+        ),
         (pb.GenerateRequest(), InvalidRequest, "prompt is empty"),
         (pb.GenerateRequest(prompt_token_ids=[1], request_id="é" * 200), InvalidRequest, "400"),
     ],
@@ -93,10 +104,10 @@ def test_stream_message_final_fields() -> None:
 
 
 def test_unary_accumulator_joins_steps() -> None:
-    acc = responses.UnaryAccumulator()
+    acc = RequestResult()
     acc.add(EngineStep([1, 2], "x", False, prompt_tokens=1, completion_tokens=2))
     acc.add(EngineStep([2], "y", True, "stop", 2, prompt_tokens=1, completion_tokens=3))
-    response = acc.response("r", None)
+    response = responses.unary_response("r", acc, None)
     assert list(response.output_token_ids) == [1, 2, 2] and response.output_text == "xy"
     assert response.stop_token_id == 2 and response.usage.completion_tokens == 3
 
@@ -110,7 +121,7 @@ def _vllm() -> None:
 
 def test_unset_fields_take_model_defaults_then_vllm_neutral_values() -> None:
     _vllm()
-    from vllm_router.engine.vllm_params import build_sampling_params
+    from vllm_router.engine.vllm.params import build_sampling_params
 
     params = build_sampling_params(
         SamplingOptions(top_p=0.5),
@@ -130,7 +141,7 @@ def test_set_fields_override_and_max_tokens_default_is_capped() -> None:
     _vllm()
     from vllm.sampling_params import RequestOutputKind
 
-    from vllm_router.engine.vllm_params import build_sampling_params
+    from vllm_router.engine.vllm.params import build_sampling_params
 
     params = build_sampling_params(
         SamplingOptions(temperature=0.0, stop=("x",), stop_token_ids=(5,), logprobs=3),
@@ -158,7 +169,7 @@ def test_vllm_exceptions_map_to_servicer_errors() -> None:
     from vllm.exceptions import VLLMValidationError
     from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
 
-    from vllm_router.engine.vllm_params import translate_error as _translate
+    from vllm_router.engine.vllm.params import translate_error as _translate
     from vllm_router.errors import EngineUnavailable
 
     assert isinstance(_translate(EngineDeadError()), EngineUnavailable)
@@ -218,7 +229,7 @@ def test_the_mock_rejects_exactly_what_vllm_rejects(options: SamplingOptions) ->
     _vllm()
     from vllm.exceptions import VLLMClientError
 
-    from vllm_router.engine.vllm_params import build_sampling_params
+    from vllm_router.engine.vllm.params import build_sampling_params
     from vllm_router.testing.mock_sampling import validate_sampling
 
     def rejects(check: Callable[[], object]) -> bool:
@@ -237,11 +248,11 @@ def test_the_mock_rejects_exactly_what_vllm_rejects(options: SamplingOptions) ->
 
 
 def test_unary_response_with_n_samples() -> None:
-    acc = responses.UnaryAccumulator()
+    acc = RequestResult()
     acc.add(EngineStep([5], "a", False, prompt_tokens=2, completion_tokens=1, index=1))
     acc.add(EngineStep([7], "b", True, "length", prompt_tokens=2, completion_tokens=1, index=0))
     acc.add(EngineStep([6], "c", True, "stop", 6, prompt_tokens=2, completion_tokens=2, index=1))
-    response = acc.response("r", None)
+    response = responses.unary_response("r", acc, None)
     # Top-level fields are sample 0; usage counts every sample's tokens.
     assert (list(response.output_token_ids), response.finish_reason) == ([7], "length")
     assert (response.usage.prompt_tokens, response.usage.completion_tokens) == (2, 3)
@@ -250,16 +261,18 @@ def test_unary_response_with_n_samples() -> None:
         (1, [5, 6], "ac"),
     ]
     assert (response.samples[1].finish_reason, response.samples[1].stop_token_id) == ("stop", 6)
-    single = responses.UnaryAccumulator()
+    single = RequestResult()
     single.add(EngineStep([7], "b", True, "length", prompt_tokens=2, completion_tokens=1))
-    assert len(single.response("r", None).samples) == 0  # n = 1: no duplicate sample list
+    assert (
+        len(responses.unary_response("r", single, None).samples) == 0
+    )  # n = 1: no duplicate sample list
 
 
 def test_tokenizer_chunks_and_digest() -> None:
     import hashlib
 
     files = [("a.json", b"x" * (responses.TOKENIZER_CHUNK_BYTES + 5)), ("b.txt", b"")]
-    chunks = list(responses.tokenizer_chunks(files))
+    chunks = list(responses.tokenizer_chunks(files, tokenizer_digest(files)))
     assert [(c.file_name, len(c.data)) for c in chunks[:-1]] == [
         ("a.json", responses.TOKENIZER_CHUNK_BYTES),
         ("a.json", 5),

@@ -174,11 +174,13 @@ async def test_client_disconnect_mid_stream_leaves_nothing_running(
 ) -> None:
     await wait_until(lambda: real_engine_idle(real), 10.0, "the engine to be idle")
     url = urlparse(router_ours)
+    host = url.hostname
+    assert host is not None
     body = {"model": str(real.model_dir), "stream": True, "ignore_eos": True,
             **_chat("Keep going", max_tokens=200, temperature=0)}  # fmt: skip
 
     def start_and_drop() -> None:
-        connection = http.client.HTTPConnection(url.hostname, url.port, timeout=30)
+        connection = http.client.HTTPConnection(host, url.port, timeout=30)
         connection.request("POST", CHAT, json.dumps(body), {"Content-Type": "application/json"})
         response = connection.getresponse()
         for _ in range(4):

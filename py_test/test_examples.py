@@ -12,10 +12,10 @@ import pytest
 import yaml
 
 from vllm_router.cli import build_parser, vllm_available
+from vllm_router.contracts.vllm_grpc_engine.servicer import SERVICE_NAME as VLLM_GRPC_SERVICE
+from vllm_router.core import ServicerMetrics
 from vllm_router.dataclass_flags import from_args
 from vllm_router.server import ServerConfig
-from vllm_router.serving import ServicerMetrics
-from vllm_router.vllm_grpc.servicer import SERVICE_NAME as VLLM_GRPC_SERVICE
 from vllm_router.vllm_servicer import SERVICE_NAME
 
 from harness import require

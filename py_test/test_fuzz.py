@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+from typing import Any, cast
 
 import grpc
 import pytest
@@ -34,7 +35,7 @@ FUZZ = settings(
 # Mostly plausible values, sometimes anything a float32 can hold (NaN, inf, huge).
 floats = st.sampled_from([0.0, 0.1, 0.5, 0.9, 1.0, 1.5, -1.0]) | st.floats(width=32)
 u32 = st.integers(0, 2**32 - 1)
-sampling = st.fixed_dictionaries(
+sampling: st.SearchStrategy[dict[str, Any]] = st.fixed_dictionaries(
     {},
     optional={
         "temperature": floats,
@@ -57,7 +58,7 @@ sampling = st.fixed_dictionaries(
 )
 # The router-grade fields, drawn for a quarter of the requests (most are UNIMPLEMENTED
 # on the mock, and the happy path must stay common).
-router_grade = st.fixed_dictionaries(
+router_grade: st.SearchStrategy[dict[str, Any]] = st.fixed_dictionaries(
     {},
     optional={
         "n": st.integers(0, 4) | u32,
@@ -88,7 +89,8 @@ def generate_requests(draw: st.DrawFn) -> pb.GenerateRequest:
         request_id=draw(st.just("") | st.text(max_size=300)),
         prompt_token_ids=draw(st.lists(st.integers(0, 31_999), max_size=40)),
         prompt_text=draw(st.text(max_size=20)),
-        execution_mode=draw(st.sampled_from([0] * 12 + [1, 2, 5, -1])),
+        # Raw enum numbers, unknown ones too; the stubs type the field as the enum.
+        execution_mode=cast("pb.ExecutionMode", draw(st.sampled_from([0] * 12 + [1, 2, 5, -1]))),
         skip_detokenize=draw(st.booleans()),
         sampling_params=pb.SamplingParams(**draw(sampling)),
     )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from harness import Harness, request
@@ -9,7 +11,7 @@ from harness import Harness, request
 pytestmark = pytest.mark.vllm
 
 
-async def _tokens(harness: Harness, **sampling: object) -> list[int]:
+async def _tokens(harness: Harness, **sampling: Any) -> list[int]:
     return list(
         (
             await harness.stub.Generate(

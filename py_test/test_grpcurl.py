@@ -36,7 +36,7 @@ def _json_messages(output: str) -> list[dict]:
     return [json.loads(chunk) for chunk in re.split(r"(?<=\})\n(?=\{)", output.strip())]
 
 
-async def _grpcurl(binary: str, args: list[str]) -> tuple[int, str, str]:
+async def _grpcurl(binary: str, args: list[str]) -> tuple[int | None, str, str]:
     process = await asyncio.create_subprocess_exec(
         binary, *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
     )
@@ -47,6 +47,7 @@ async def _grpcurl(binary: str, args: list[str]) -> tuple[int, str, str]:
 async def test_readme_grpcurl_commands_work_as_printed() -> None:
     binary = grpcurl_path()
     require(binary is not None, "grpcurl is not installed (make install puts it in .venv/bin)")
+    assert binary is not None
     commands = readme_grpcurl_commands()
     called = {cmd[-1] for cmd in commands}
     for rpc in (
@@ -87,6 +88,7 @@ async def test_readme_grpcurl_commands_work_as_printed() -> None:
 async def test_readme_router_grade_commands_on_the_real_engine(real: Harness) -> None:
     binary = grpcurl_path()
     require(binary is not None, "grpcurl is not installed (make install puts it in .venv/bin)")
+    assert binary is not None
     commands = readme_grpcurl_commands(1)
     new_rpcs = {"Abort", "GetLoads", "GetTokenizer", "Embed", "ListLoraAdapters",
                 "LoadLoraAdapter", "UnloadLoraAdapter"}  # fmt: skip

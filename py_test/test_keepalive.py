@@ -5,8 +5,8 @@ from __future__ import annotations
 import grpc
 import pytest
 
+from vllm_router.core import RequestTable, ServingCore, ServingState
 from vllm_router.proto import vllm_engine_pb2_grpc as pb_grpc
-from vllm_router.serving import RequestTable, ServingState
 from vllm_router.testing.mock_engine import MockAsyncEngine, MockConfig
 from vllm_router.vllm_servicer import VllmEngineServicer
 
@@ -39,7 +39,7 @@ async def test_control_default_server_policy_disconnects_the_same_client() -> No
     state = ServingState(engine)
     server = grpc.aio.server()  # no keepalive options
     pb_grpc.add_VllmEngineServicer_to_server(
-        VllmEngineServicer(engine, RequestTable(engine, state), state), server
+        VllmEngineServicer(ServingCore(engine, RequestTable(engine, state), state)), server
     )
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()

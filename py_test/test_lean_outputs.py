@@ -120,12 +120,13 @@ async def test_lean_steps_equal_request_output_steps(real: Harness, name: str) -
 
 
 async def test_requests_that_need_request_outputs_take_vllms_path(real: Harness) -> None:
+    cases: dict[str, dict[str, Any]] = {
+        "logprobs": {"logprobs": 2},
+        "prompt logprobs": {"prompt_logprobs": 1},
+        "two samples": {"n": 2, "temperature": 0.8, "seed": 3},
+    }
     with output_path(real, True):
-        for name, options in {
-            "logprobs": {"logprobs": 2},
-            "prompt logprobs": {"prompt_logprobs": 1},
-            "two samples": {"n": 2, "temperature": 0.8, "seed": 3},
-        }.items():
+        for name, options in cases.items():
             started = real.engine.lean_streams
             steps = [
                 s async for s in real.engine.generate(generation(name, max_tokens=4, **options))

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import grpc
 import pytest
 
+from vllm_router.core.metrics import PREFIX
 from vllm_router.server import ServerConfig
-from vllm_router.serving.metrics import PREFIX
 
 from harness import (
     Harness,

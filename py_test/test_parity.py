@@ -8,6 +8,7 @@ to vLLM's `/v1/completions` (token-id prompt, `return_token_ids`) and to our
 from __future__ import annotations
 
 import asyncio
+from typing import cast
 
 import pytest
 
@@ -103,10 +104,10 @@ async def _resolve(real: Harness, prompt: object, sampling: dict) -> tuple[list[
     if isinstance(sampling.get("stop_token_ids"), str):
         index = int(sampling["stop_token_ids"][4:-1])
         reference = await real.stub.Generate(
-            request(prompt, temperature=0.0, max_tokens=index + 1)  # type: ignore[arg-type]
+            request(cast("list[int]", prompt), temperature=0.0, max_tokens=index + 1)
         )
         sampling["stop_token_ids"] = [reference.output_token_ids[index]]
-    return list(prompt), sampling  # type: ignore[arg-type]
+    return list(cast("list[int]", prompt)), sampling
 
 
 async def test_parity_with_vllm_openai_server(real: Harness, vllm_http: str) -> None:

@@ -39,7 +39,7 @@ STRUCTURAL_TAG = {
     "structures": [{"begin": "<n>", "schema": {"type": "integer"}, "end": "</n>"}],
     "triggers": ["<n>"],
 }
-GREEDY = {"temperature": 0.0}
+GREEDY: dict[str, Any] = {"temperature": 0.0}
 P = [10, 20, 30, 40]
 
 # name -> (prompt, sampling, structured outputs (vLLM's field names), request extras)
@@ -270,8 +270,9 @@ async def test_router_grade_parity_with_vllm_openai_server(
     greedy = await real.stub.Generate(request(P, **GREEDY, max_tokens=30))
     # A word the unconstrained greedy output contains, so banning it must change the output.
     bad_word = next(w for w in greedy.output_text.split() if len(w) >= 2 and w.isalpha())
-    matched, finished_json = [], 0
-    mismatches = []
+    matched: list[str] = []
+    finished_json = 0
+    mismatches: list[str] = []
     for name, (prompt, sampling, so, extras) in CASES.items():
         if sampling.get("logit_bias") == "BAN":
             sampling = {**sampling, "logit_bias": {greedy.output_token_ids[0]: -100.0}}

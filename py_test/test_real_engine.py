@@ -7,6 +7,7 @@ test then checks how a request option changes that output, exactly.
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import grpc
 import pytest
@@ -46,6 +47,7 @@ async def engine_is_idle(real: Harness) -> None:
 
 async def test_model_info_matches_the_checkpoint(real: Harness) -> None:
     info = await real.stub.GetModelInfo(pb.GetModelInfoRequest())
+    assert real.model_dir is not None
     config = json.loads((real.model_dir / "config.json").read_text())
     assert info.engine == "vllm" and info.engine_version
     assert info.model_name == str(real.model_dir)
@@ -88,7 +90,13 @@ async def test_greedy_output_is_varied_and_stream_equals_unary(real: Harness) ->
 
 
 async def test_seeded_sampling_stream_equals_unary(real: Harness) -> None:
-    sampling = {"temperature": 0.9, "top_p": 0.9, "top_k": 50, "seed": 1234, "max_tokens": 40}
+    sampling: dict[str, Any] = {
+        "temperature": 0.9,
+        "top_p": 0.9,
+        "top_k": 50,
+        "seed": 1234,
+        "max_tokens": 40,
+    }
     unary = await real.stub.Generate(request([7, 8, 9], **sampling))
     messages = await collect_stream(real.stub, request([7, 8, 9], **sampling))
     assert [t for m in messages for t in m.token_ids] == list(unary.output_token_ids)

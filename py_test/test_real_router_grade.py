@@ -31,6 +31,7 @@ async def _idle(real: Harness) -> None:
 async def test_model_info_has_the_router_facts(real: Harness) -> None:
     await ensure_lora(real)
     info = await real.stub.GetModelInfo(pb.GetModelInfoRequest())
+    assert real.model_dir is not None
     config = json.loads((real.model_dir / "config.json").read_text())
     tokenizer = real.engine.llm.get_tokenizer()
     assert list(info.architectures) == config["architectures"] == ["LlamaForCausalLM"]
@@ -109,7 +110,7 @@ async def test_cancelling_n_samples_aborts_every_child(real: Harness) -> None:
     stream = real.stub.GenerateStream(
         request([5, 6, 7], max_tokens=200, ignore_eos=True, n=4, temperature=1.0, seed=1)
     )
-    seen = set()
+    seen: set[int] = set()
     while len(seen) < 4:
         seen.add((await stream.read()).index)
     assert real.engine.llm.get_num_unfinished_requests() >= 1
@@ -147,6 +148,7 @@ async def test_get_tokenizer_sends_the_model_files(real: Harness) -> None:
     expected = {"tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
                 "generation_config.json"}  # fmt: skip
     assert expected <= set(files)
+    assert real.model_dir is not None
     for name, data in files.items():
         assert data == (real.model_dir / name).read_bytes(), name
     digest = hashlib.sha256()

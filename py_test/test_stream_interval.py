@@ -3,14 +3,18 @@ end are never held back. Mock and real engine (vLLM's own stream_interval)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import grpc
 import pytest
+
+from vllm_router.proto import vllm_engine_pb2 as pb
 
 from harness import Harness, collect_stream, request
 
 
 async def check_interval(harness: Harness, max_tokens: int) -> None:
-    def ask(**extra: int) -> object:
+    def ask(**extra: Any) -> pb.GenerateRequest:
         return request([5, 6, 7], max_tokens=max_tokens, ignore_eos=True, seed=11, **extra)
 
     every_step = await collect_stream(harness.stub, ask())

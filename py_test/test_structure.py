@@ -1,4 +1,5 @@
-"""The shape of the code: no import circles, layers that point one way, small documented modules."""
+"""The shape of the code: no import circles, layers that point one way, contracts as plug-ins
+(no contract imports another, one registry mounts them all), small documented modules."""
 
 from __future__ import annotations
 
@@ -19,21 +20,21 @@ LAYERS = [
         "vllm_router.errors",
         "vllm_router.proto",
         "vllm_router.dataclass_flags",
-        "vllm_router.contract",
+        "vllm_router.defaults",
     },
     {"vllm_router.engine"},
-    {"vllm_router.serving", "vllm_router.testing"},
-    {
-        "vllm_router.rpc",
-        "vllm_router.convert",
-        "vllm_router.responses",
-        "vllm_router.vllm_servicer",
-        "vllm_router.vllm_grpc",
-        "vllm_router.client",
-    },
+    {"vllm_router.core", "vllm_router.testing"},
+    {"vllm_router.contracts", "vllm_router.client"},
     {"vllm_router.server"},
-    {"vllm_router.cli", "vllm_router.client_cli"},
+    {
+        "vllm_router.cli",
+        "vllm_router.client_cli",
+        "vllm_router.vllm_servicer",
+        "vllm_router.__main__",
+    },
 ]
+CONTRACTS = PACKAGE / "contracts"
+REGISTRY = "vllm_router.server.registry"
 
 
 def _module_name(path: Path, root: Path, prefix: str) -> str:
@@ -53,24 +54,12 @@ def _modules() -> dict[str, Path]:
     return found
 
 
-def _is_main_guard(node: ast.AST) -> bool:
-    test = getattr(node, "test", None)
-    return (
-        isinstance(node, ast.If)
-        and isinstance(test, ast.Compare)
-        and isinstance(test.left, ast.Name)
-        and test.left.id == "__name__"
-    )
-
-
 def _imports(name: str, path: Path, known: dict[str, Path]) -> set[str]:
-    """Modules of ours that `name` imports (at any depth, except under `__main__` guards)."""
+    """Modules of ours that `name` imports (at any depth, `__main__` guards included)."""
     is_package = path.name == "__init__.py"
     targets: set[str] = set()
 
     def visit(node: ast.AST) -> None:
-        if _is_main_guard(node):
-            return
         if isinstance(node, ast.Import):
             targets.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -130,6 +119,49 @@ def test_layers_point_one_way() -> None:
         if _layer(target) > _layer(source)
     ]
     assert not upward, "\n".join(upward)
+
+
+def _contract_of(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 and parts[1] == "contracts" else None
+
+
+def test_every_contract_is_a_package_of_the_same_shape() -> None:
+    packages = sorted(p.name for p in CONTRACTS.iterdir() if (p / "__init__.py").exists())
+    assert len(packages) >= 2, packages
+    for name in packages:
+        files = {p.name for p in (CONTRACTS / name).glob("*.py")}
+        assert {"__init__.py", "servicer.py", "convert.py", "responses.py"} <= files, name
+
+
+def test_no_contract_imports_another() -> None:
+    crossing = [
+        f"{source} imports {target}"
+        for source, targets in _graph().items()
+        if _contract_of(source) is not None
+        for target in targets
+        if _contract_of(target) not in (None, _contract_of(source))
+    ]
+    assert not crossing, "\n".join(crossing)
+
+
+def test_the_server_mounts_contracts_from_one_registry() -> None:
+    """Only the registry (and the seed's re-export) names contract servicers; it names all."""
+    from vllm_router.server.registry import CONTRACTS as ENTRIES
+
+    graph = _graph()
+    importers = {
+        source
+        for source, targets in graph.items()
+        if source.startswith("vllm_router")
+        and not source.startswith(("vllm_router.contracts", "vllm_router.client"))
+        and any(_contract_of(t) is not None for t in targets)
+    }
+    assert importers <= {REGISTRY, "vllm_router.vllm_servicer"}, importers
+    mounted = {entry.servicer.__module__.split(".")[2] for entry in ENTRIES}
+    packages = {p.name for p in CONTRACTS.iterdir() if (p / "__init__.py").exists()}
+    assert mounted == packages
+    assert len({entry.service_name for entry in ENTRIES}) == len(ENTRIES)
 
 
 @pytest.mark.parametrize(

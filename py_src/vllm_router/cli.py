@@ -1,4 +1,4 @@
-"""Command line: `vllm-servicer` and `python -m vllm_router.vllm_servicer`.
+"""Command line: `vllm-servicer`, `python -m vllm_router` and `python -m vllm_router.vllm_servicer`.
 
 With vLLM installed every AsyncEngineArgs flag passes through (--model,
 --tensor-parallel-size, --max-model-len, --no-enable-prefix-caching, ...).
@@ -102,7 +102,7 @@ def build_engine(args: argparse.Namespace) -> AsyncEngine:
 
 
 async def load_lora_modules(engine: AsyncEngine, specs: list[str] | None) -> None:
-    from .engine.vllm_lora import parse_lora_modules
+    from .engine.vllm.lora import parse_lora_modules
 
     try:
         adapters = parse_lora_modules(specs)

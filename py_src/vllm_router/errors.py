@@ -65,6 +65,19 @@ class EngineUnavailable(ServicerError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
+class EngineDead(EngineUnavailable):
+    """The engine itself is gone (its process died): this worker serves nothing more.
+
+    Engine adapters raise it; the serving core turns the worker NOT_SERVING on the
+    first one it sees, before the failing RPC's status goes out.
+    """
+
+
+class RequestFailed(EngineUnavailable):
+    """The engine ended this one request with an error (vLLM's `error` finish, e.g. a KV
+    transfer that failed): the request may succeed on another worker, this one serves on."""
+
+
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """(status code, message) for an exception raised while serving an RPC.
 

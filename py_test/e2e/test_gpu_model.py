@@ -11,6 +11,7 @@ import asyncio
 import importlib.util
 import os
 from collections.abc import AsyncIterator
+from typing import cast
 
 import grpc
 import pytest
@@ -53,12 +54,16 @@ async def gpu() -> AsyncIterator[tuple[RunningServer, pb_grpc.VllmEngineStub]]:
 
 
 def _prompt_ids(text: str) -> list[int]:
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, BatchEncoding
 
     tokenizer = AutoTokenizer.from_pretrained(MODEL)
     messages = [{"role": "user", "content": text}]
-    encoded = tokenizer.apply_chat_template(
-        messages, add_generation_prompt=True, tokenize=True, return_dict=True
+    # return_dict=True: a BatchEncoding (the stubs give the union of every return form).
+    encoded = cast(
+        BatchEncoding,
+        tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=True
+        ),
     )
     return list(encoded["input_ids"])
 

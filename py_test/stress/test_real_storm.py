@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from typing import Any
 
 import grpc
 import pytest
@@ -22,7 +23,7 @@ async def test_real_engine_cancel_storm(real: Harness, figures) -> None:
 
     async def one(i: int) -> None:
         kind = rng.choice(["before-first", "mid-stream", "deadline", "complete"])
-        sampling = {"max_tokens": 64, "ignore_eos": True, "temperature": 0.0}
+        sampling: dict[str, Any] = {"max_tokens": 64, "ignore_eos": True, "temperature": 0.0}
         if kind == "deadline":
             try:
                 await real.stub.Generate(request([5 + i % 400, 6], **sampling), timeout=0.02)

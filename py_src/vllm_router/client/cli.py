@@ -17,7 +17,7 @@ from typing import Any
 
 from google.protobuf.json_format import MessageToDict
 
-from ..contract import API_KEY_ENV, DEFAULT_ADDRESS
+from ..defaults import API_KEY_ENV, DEFAULT_ADDRESS
 from .bench import run as run_load
 from .bench import summary_rows
 from .errors import WorkerError
@@ -152,28 +152,63 @@ async def run_bench(worker: WorkerClient, args: argparse.Namespace) -> int:
     return 0 if summary["failed"] == 0 else 1
 
 
+def _connection_options(target: argparse.ArgumentParser, *, defaults: bool) -> None:
+    """Where and how to connect, and the output form. Accepted before the command (with the
+    defaults) and after it (`health --address HOST:PORT`, as probes are written), where
+    only an option given there overrides."""
+
+    def default(value: Any) -> Any:
+        return value if defaults else argparse.SUPPRESS
+
+    where = target.add_mutually_exclusive_group()
+    where.add_argument(
+        "--address", default=default(DEFAULT_ADDRESS), help="HOST:PORT of the worker"
+    )
+    where.add_argument("--uds", default=default(None), help="the worker's unix socket instead")
+    target.add_argument(
+        "--api-key",
+        default=default(os.environ.get(API_KEY_ENV)),
+        help=f"sent as 'authorization: Bearer' (default: ${API_KEY_ENV})",
+    )
+    target.add_argument(
+        "--tls",
+        action="store_true",
+        default=default(False),
+        help="connect with TLS (system trust store)",
+    )
+    target.add_argument(
+        "--ca-certs", default=default(None), help="trust this CA bundle (implies --tls)"
+    )
+    target.add_argument(
+        "--certfile", default=default(None), help="client certificate for mTLS (implies --tls)"
+    )
+    target.add_argument("--keyfile", default=default(None), help="client key for mTLS")
+    target.add_argument(
+        "--tls-server-name", default=default(None), help="the name the worker's certificate carries"
+    )
+    target.add_argument(
+        "--timeout", type=float, default=default(10.0), help="seconds, for non-generation calls"
+    )
+    target.add_argument(
+        "--json", action="store_true", default=default(False), help="one JSON object on stdout"
+    )
+
+
 def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(prog="vllm-servicer-client", description=__doc__)
-    where = top.add_mutually_exclusive_group()
-    where.add_argument("--address", default=DEFAULT_ADDRESS, help="HOST:PORT of the worker")
-    where.add_argument("--uds", help="the worker's unix socket instead")
-    top.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
-                     help=f"sent as 'authorization: Bearer' (default: ${API_KEY_ENV})")  # fmt: skip
-    top.add_argument("--tls", action="store_true", help="connect with TLS (system trust store)")
-    top.add_argument("--ca-certs", help="trust this CA bundle (implies --tls)")
-    top.add_argument("--certfile", help="client certificate for mTLS (implies --tls)")
-    top.add_argument("--keyfile", help="client key for mTLS")
-    top.add_argument("--tls-server-name", help="the name the worker's certificate carries")
-    top.add_argument(
-        "--timeout", type=float, default=10.0, help="seconds, for non-generation calls"
-    )
-    top.add_argument("--json", action="store_true", help="one JSON object on stdout")
-    commands = top.add_subparsers(dest="command", required=True)
-    commands.add_parser("info", help="model and engine facts (GetModelInfo)")
-    probe = commands.add_parser("health", help="grpc.health.v1: exit 0 when SERVING, else 1")
+    _connection_options(top, defaults=True)
+    subparsers = top.add_subparsers(dest="command", required=True)
+
+    def command(name: str, help: str) -> argparse.ArgumentParser:
+        sub = subparsers.add_parser(name, help=help)
+        _connection_options(sub, defaults=False)
+        return sub
+
+    command("info", "model and engine facts (GetModelInfo)")
+    probe = command("health", "grpc.health.v1: exit 0 when SERVING, else 1")
     probe.add_argument("--service", default="", help="a service name ('' = the whole server)")
-    commands.add_parser("loads", help="per-rank scheduler load (GetLoads)")
-    gen = commands.add_parser("generate", help="stream a completion of PROMPT to the terminal")
+    command("loads", "per-rank scheduler load (GetLoads)")
+    gen = command("generate", "stream a completion of PROMPT to the terminal")
     gen.add_argument("prompt", help="text (tokenized with the worker's tokenizer) or, with "
                                     "--token-ids, ids like '1,2,3'")  # fmt: skip
     gen.add_argument("--token-ids", action="store_true", help="PROMPT is token ids")
@@ -184,9 +219,9 @@ def parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", help="a stop string (repeatable)")
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--request-id", default="")
-    stop = commands.add_parser("abort", help="abort requests in flight by id")
+    stop = command("abort", "abort requests in flight by id")
     stop.add_argument("request_ids", nargs="+")
-    load = commands.add_parser("bench", help="N streams at concurrency C, then a summary")
+    load = command("bench", "N streams at concurrency C, then a summary")
     load.add_argument("-n", "--requests", type=int, default=64)
     load.add_argument("-c", "--concurrency", type=int, default=8)
     load.add_argument("--prompt-tokens", type=int, default=32)

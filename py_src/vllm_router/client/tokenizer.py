@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-from ..contract import tokenizer_digest
+from ..contracts.vllm_engine_v1.rules import tokenizer_digest
 from ..proto import vllm_engine_pb2 as pb
 
 

@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from ..contract import DEFAULT_ADDRESS, DEFAULT_MAX_MESSAGE_BYTES
+from ..defaults import DEFAULT_ADDRESS, DEFAULT_MAX_MESSAGE_BYTES
 from ..proto import vllm_engine_pb2 as pb
 from ..proto import vllm_engine_pb2_grpc as pb_grpc
 from .errors import UnsupportedError, from_rpc_error

@@ -11,8 +11,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-# Why a request ended, as vLLM names it.
-FinishReason = Literal["stop", "length", "abort"]
+# Why a request ended, as vLLM names it (its FinishReason enum, as strings): `error` is a
+# request-level failure (e.g. a KV-cache load that failed in a disaggregated deployment),
+# `repetition` a repeating pattern vLLM's repetition detection found.
+FinishReason = Literal["stop", "length", "abort", "error", "repetition"]
+FINISH_REASONS: frozenset[str] = frozenset(FinishReason.__args__)  # type: ignore[attr-defined]
 
 # Field metadata key: the value vLLM's OpenAI server uses for an unset field when
 # the model's generation config has none (CompletionRequest's defaults). Fields
@@ -124,6 +127,8 @@ class EngineStep:
     prompt_logprobs: list[TokenLogprob] | None = None
     # On the finished step: what the KV connector returns (a prefill side's handle).
     kv_transfer_params: Mapping[str, Any] | None = None
+    # With finish_reason "error": what the engine said about it.
+    error: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,9 +5,10 @@ Order of events:
   serving state checked -> SERVING -> ... -> SIGTERM -> NOT_SERVING, new
   generation RPCs UNAVAILABLE -> in-flight requests finish within the grace
   period, the rest are aborted -> server stopped -> engine shut down.
-Engine death reaches the server by one path: the health watcher sees it in the
-serving state, reports NOT_SERVING, drains and makes the process exit non-zero so
-an orchestrator restarts the worker.
+Engine death reaches the server through the serving state, from whichever path sees
+it first (a failing stream or RPC, a health check, the poll): grpc.health.v1 reports
+NOT_SERVING before that path answers its client, then the server drains and the
+process exits non-zero so an orchestrator restarts the worker.
 """
 
 from __future__ import annotations
@@ -24,17 +25,13 @@ from typing import TypeAlias
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vpb_grpc
 
+from ..core import RequestTable, ServicerMetrics, ServingCore, ServingState
 from ..engine import AsyncEngine
-from ..proto import vllm_engine_pb2_grpc as pb_grpc
-from ..serving import RequestTable, ServicerMetrics, ServingState
-from ..vllm_grpc.servicer import SERVICE_NAME as VLLM_GRPC_SERVICE
-from ..vllm_grpc.servicer import VllmGrpcServicer
-from ..vllm_servicer import SERVICE_NAME, VllmEngineServicer
 from .config import ServerConfig, StartupError, server_options
 from .interceptors import MalformedRequestInterceptor
 from .metrics_http import MetricsEndpoint, start_metrics_endpoint
+from .registry import enabled_contracts
 from .security import ApiKeyInterceptor, server_credentials
 
 logger = logging.getLogger(__name__)
@@ -112,9 +109,12 @@ class RunningServer:
                 draining=lambda: self.state.draining,
                 engine_alive=lambda: not self.state.engine_dead,
             )
+        self.core = ServingCore(engine, self.requests, self.state, self.metrics)
+        self.state.on_engine_death(self._refresh_health)
         self.health = health.aio.HealthServicer()
-        # Services answered by our own (rpc.handles_errors-decorated) servicers.
-        self.services = (SERVICE_NAME, VLLM_GRPC_SERVICE) if config.vllm_grpc else (SERVICE_NAME,)
+        self.contracts = enabled_contracts(config)
+        # Services answered by our own (core.handles_errors-decorated) servicers.
+        self.services = tuple(entry.service_name for entry in self.contracts)
         interceptors: list[grpc.aio.ServerInterceptor] = [
             MalformedRequestInterceptor(self.services)
         ]
@@ -130,10 +130,8 @@ class RunningServer:
         self._background: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:
-        shared = (self.engine, self.requests, self.state, self.metrics)
-        pb_grpc.add_VllmEngineServicer_to_server(VllmEngineServicer(*shared), self.server)
-        if self.config.vllm_grpc:
-            vpb_grpc.add_VllmEngineServicer_to_server(VllmGrpcServicer(*shared), self.server)
+        for entry in self.contracts:
+            entry.add_to_server(entry.servicer(self.core), self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
             (*self.services, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server

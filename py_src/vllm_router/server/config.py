@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..contract import API_KEY_ENV, DEFAULT_HOST, DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_PORT
+from ..defaults import API_KEY_ENV, DEFAULT_HOST, DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_PORT
 
 # Field metadata keys read by `vllm_router.dataclass_flags`.
 HELP = "help"

@@ -2,7 +2,7 @@
 
 gRPC answers request bytes that do not parse with UNKNOWN; a client mistake must be
 INVALID_ARGUMENT. `MalformedRequestInterceptor` swaps in a parser that returns
-`rpc.Malformed` instead of raising: handlers decorated with `rpc.handles_errors`
+`core.Malformed` instead of raising: handlers decorated with `core.handles_errors`
 answer it themselves (so the streaming write path stays exactly gRPC's own), other
 services' unary handlers are wrapped here.
 """
@@ -14,7 +14,7 @@ from typing import Any
 
 import grpc
 
-from ..rpc import Malformed, abort_with
+from ..core import Malformed, abort_with
 
 _HANDLER_KINDS: dict[str, Callable[..., grpc.RpcMethodHandler]] = {
     "unary_unary": grpc.unary_unary_rpc_method_handler,

@@ -12,9 +12,9 @@ from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import start_http_server
 
+from ..core import ServicerMetrics
+from ..core.metrics import exposition_registry
 from ..engine import AsyncEngine
-from ..serving import ServicerMetrics
-from ..serving.metrics import exposition_registry
 from .config import StartupError
 
 logger = logging.getLogger(__name__)

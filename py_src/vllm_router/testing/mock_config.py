@@ -4,6 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..engine import FinishReason
+
+# What `fault_finish_reason` may name: vLLM's finish reasons that are no ordinary answer.
+FAULT_FINISHES: dict[str, FinishReason | None] = {
+    "": None,
+    "error": "error",
+    "repetition": "repetition",
+}
+
 
 @dataclass(frozen=True)
 class MockConfig:
@@ -19,7 +28,21 @@ class MockConfig:
     block_size: int = 16
     kv_cache_tokens: int = 262144
     dp_size: int = 1
+    fault_finish_reason: str = field(
+        default="",
+        metadata={
+            "help": "fault injection: every sample finishes with this engine finish reason "
+            "('error' or 'repetition') after its second token (default: none)"
+        },
+    )
     die_after_tokens: int = field(
         default=0,
         metadata={"help": "fault injection: the engine dies after this many tokens (0: never)"},
     )
+
+    def __post_init__(self) -> None:
+        if self.fault_finish_reason not in FAULT_FINISHES:
+            raise ValueError(
+                f"fault_finish_reason must be one of {sorted(FAULT_FINISHES)}, "
+                f"got {self.fault_finish_reason!r}"
+            )

@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Callable
 from ..engine import EngineStep, ModelFacts, SamplingOptions
 from ..engine.types import FinishReason
 from ..errors import Unsupported
+from .mock_config import FAULT_FINISHES, MockConfig
 from .mock_sampling import mock_token_text
 from .stop_strings import StopStringMatcher
 
@@ -62,10 +63,12 @@ class SampleDecoder:
         prompt: list[int],
         sampling: SamplingOptions,
         facts: ModelFacts,
-        eos_token_id: int,
+        config: MockConfig,
         detokenize: bool,
     ) -> None:
         self.index = index
+        self._fault_finish = FAULT_FINISHES[config.fault_finish_reason]
+        eos_token_id = config.eos_token_id
         self.generated = 0
         self._s = sampling
         self._vocab = facts.vocab_size
@@ -130,6 +133,8 @@ class SampleDecoder:
                     finish, stop_reason = "stop", matched
             if finish is None and self.generated >= self._max_tokens:
                 finish = "length"
+            if finish is None and self._fault_finish is not None and self.generated >= 2:
+                finish = self._fault_finish
             if finish is not None:
                 pieces.append(self._matcher.flush())
                 break

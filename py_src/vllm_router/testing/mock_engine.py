@@ -11,7 +11,9 @@ Behaviour is deterministic so tests can state exact expectations:
   mock_decode.py says; other new sampling fields, LoRA, embeddings and tokenizer
   files are UNIMPLEMENTED (the message names the mock);
 - at most `max_num_seqs` requests run at once, the rest wait (visible in load());
-- a logprob is -0.5 for the sampled token and the j-th alternative is (id + j, -0.5 - j).
+- a logprob is -0.5 for the sampled token and the j-th alternative is (id + j, -0.5 - j);
+- fault injection: `die_after_tokens` kills the engine, `fault_finish_reason` finishes
+  every sample with vLLM's `error` or `repetition` after two tokens.
 Where it intentionally differs from vLLM: it checks only the sampling rules a
 request can reach it with (the server has already refused empty stop strings and
 prompts that do not fit), keeps no real KV cache (a prompt block is "cached" once
@@ -40,12 +42,13 @@ from ..engine import (
     RankLoad,
 )
 from ..engine.types import FinishReason
-from ..errors import EngineUnavailable, InvalidRequest, Unsupported
+from ..errors import EngineDead, InvalidRequest, Unsupported
 from .mock_config import MockConfig
 from .mock_decode import SampleDecoder, cached_prefix, check_supported, every_interval
 from .mock_sampling import mock_logprobs, validate_sampling
 
 NO_LORA = "the mock engine has no LoRA adapters"
+FAULT_ERROR = "mock engine fault injection (--mock-fault-finish-reason error)"
 
 
 @dataclass
@@ -108,7 +111,7 @@ class MockAsyncEngine:
 
     async def check_health(self) -> None:
         if self._dead is not None:
-            raise EngineUnavailable(f"engine is dead: {self._dead}")
+            raise EngineDead(f"engine is dead: {self._dead}")
 
     async def tokenize(self, text: str) -> list[int]:
         return [b % self._facts.vocab_size for b in text.encode()]
@@ -201,7 +204,7 @@ class MockAsyncEngine:
     # -- fault injection --------------------------------------------------------------------------
 
     def kill(self, reason: str = "killed by fault injection") -> None:
-        """Make the engine dead: in-flight and new requests fail with EngineUnavailable."""
+        """Make the engine dead: in-flight and new requests fail with EngineDead."""
         self._dead = reason
         for state in self._requests.values():
             state.wake.set()
@@ -235,21 +238,19 @@ class MockAsyncEngine:
         if limit and self._tokens_produced >= limit:
             self.kill(f"fault injection after {self._tokens_produced} tokens")
         if self._dead is not None:
-            raise EngineUnavailable(f"engine is dead: {self._dead}")
+            raise EngineDead(f"engine is dead: {self._dead}")
 
     async def _decode(self, state: _Request) -> AsyncGenerator[EngineStep, None]:
         request = state.request
         s = request.sampling
         cached = cached_prefix(self._cached_blocks, state.prompt, self._facts.block_size)
         active = [
-            SampleDecoder(
-                i, state.prompt, s, self._facts, self.config.eos_token_id, request.detokenize
-            )
+            SampleDecoder(i, state.prompt, s, self._facts, self.config, request.detokenize)
             for i in range(s.n or 1)
         ]
         while active:
             if self._dead is not None:
-                raise EngineUnavailable(f"engine is dead: {self._dead}")
+                raise EngineDead(f"engine is dead: {self._dead}")
             if state.aborted:
                 for sample in active:
                     yield self._step(state, sample, [], "", "abort", None, cached)
@@ -294,4 +295,5 @@ class MockAsyncEngine:
             cached_tokens=cached,
             logprobs=None if k is None else mock_logprobs(token_ids, k, self._facts.vocab_size),
             index=sample.index,
+            error=FAULT_ERROR if finish == "error" else None,
         )

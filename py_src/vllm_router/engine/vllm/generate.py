@@ -13,9 +13,9 @@ from collections.abc import AsyncGenerator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .types import EngineStep, SamplingOptions
-from .vllm_lean import LeanStream, reported_stop_reason
-from .vllm_params import convert_logprobs, convert_prompt_logprobs, reraise
+from ..types import EngineStep, SamplingOptions
+from .lean import LeanStream, finish_of
+from .params import convert_logprobs, convert_prompt_logprobs, reraise
 
 if TYPE_CHECKING:
     from vllm.sampling_params import SamplingParams
@@ -41,9 +41,16 @@ async def lean_steps(llm: AsyncLLM, call: VllmCall) -> AsyncGenerator[EngineStep
         queue = await llm.add_request(call.request_id, call.prompt, call.params, **call.options)
     except Exception as exc:
         reraise(exc)
-    state = llm.output_processor.request_states.get(queue.request_id)
-    stream = LeanStream(state, detokenize=call.detokenize, prompt_tokens=len(call.prompt_token_ids))
+    stream: LeanStream | None = None
     try:
+        # Inside the try: a takeover that fails still aborts the request below.
+        state = llm.output_processor.request_states.get(queue.request_id)
+        stream = LeanStream(
+            call.request_id,
+            state,
+            detokenize=call.detokenize,
+            prompt_tokens=len(call.prompt_token_ids),
+        )
         # Not seen in practice (the engine core cannot answer before add_request
         # returns), but an output vLLM queued before the takeover is not lost.
         try:
@@ -63,9 +70,9 @@ async def lean_steps(llm: AsyncLLM, call: VllmCall) -> AsyncGenerator[EngineStep
             finished = step.finished
             yield step
     finally:
-        # A consumer that left early (client gone, cancelled) ends the request in the
-        # engine, as AsyncLLM.generate does.
-        if not stream.finished and not llm.errored:
+        # A consumer that left early (client gone, cancelled, a failure here) ends the
+        # request in the engine, as AsyncLLM.generate does.
+        if (stream is None or not stream.finished) and not llm.errored:
             await llm.abort(queue.request_id, internal=True)
         queue.close()
 
@@ -96,14 +103,16 @@ async def request_output_steps(
                 produced[index] += len(token_ids)
                 if token_ids:
                     last_token[index] = token_ids[-1]
+                finish, stop_reason, error = finish_of(
+                    completion.finish_reason, completion.stop_reason, last_token[index]
+                )
                 step = EngineStep(
                     token_ids=token_ids,
                     text=completion.text,
-                    finished=completion.finish_reason is not None,
-                    finish_reason=completion.finish_reason,  # type: ignore[arg-type]
-                    stop_reason=reported_stop_reason(
-                        completion.finish_reason, completion.stop_reason, last_token[index]
-                    ),
+                    finished=finish is not None,
+                    finish_reason=finish,
+                    stop_reason=stop_reason,
+                    error=error,
                     prompt_tokens=len(out.prompt_token_ids or ()),
                     completion_tokens=produced[index],
                     cached_tokens=out.num_cached_tokens or 0,

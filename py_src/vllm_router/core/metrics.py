@@ -70,7 +70,7 @@ class ServicerMetrics:
         )
         self.finish_reason = Counter(
             name("finish_reason"),
-            "Finished samples by the engine's finish reason (stop, length, abort)",
+            "Finished samples by the engine's reason (stop, length, abort, repetition, error)",
             ["reason"],
             registry=r,
         )

@@ -5,13 +5,19 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 
-from .contract import tokenizer_digest
-from .engine import Embedding, EngineStep, LoadSnapshot, LoraAdapter, ModelFacts, RankLoad
-from .engine.types import TokenLogprob
-from .proto import vllm_engine_pb2 as pb
-
-# Tokenizer files are streamed in chunks of at most this many bytes.
-TOKENIZER_CHUNK_BYTES = 1 << 20
+from ...core.accumulate import RequestResult, SampleResult
+from ...engine import (
+    Embedding,
+    EngineStep,
+    LoadSnapshot,
+    LoraAdapter,
+    ModelFacts,
+    RankLoad,
+    TokenLogprob,
+)
+from ...errors import RequestFailed
+from ...proto import vllm_engine_pb2 as pb
+from .rules import TOKENIZER_CHUNK_BYTES
 
 
 def worker_metrics(load: LoadSnapshot) -> pb.WorkerMetrics:
@@ -42,6 +48,16 @@ def _set_matched_stop(
         message.stop_token_id = step.stop_reason
 
 
+def raise_if_failed(step: EngineStep) -> None:
+    """An `error` finish is no answer on this contract: the RPC fails UNAVAILABLE with the
+    engine's message, so the router retries the request elsewhere."""
+    if step.finish_reason == "error":
+        raise RequestFailed(
+            f"the engine failed this request: {step.error or 'no detail given'}; "
+            "retry on another worker"
+        )
+
+
 def stream_message(
     request_id: str, step: EngineStep, metrics: pb.WorkerMetrics | None
 ) -> pb.GenerateStreamResponse:
@@ -69,73 +85,37 @@ def stream_message(
     return message
 
 
-class SampleAccumulator:
-    """One sample's tokens, text and logprobs, collected from its steps."""
-
-    __slots__ = ("last", "logprobs", "text", "token_ids")
-
-    def __init__(self) -> None:
-        self.token_ids: list[int] = []
-        self.text: list[str] = []
-        self.logprobs: list[TokenLogprob] | None = None
-        self.last: EngineStep | None = None
-
-    def add(self, step: EngineStep) -> None:
-        self.token_ids.extend(step.token_ids)
-        if step.text:
-            self.text.append(step.text)
-        if step.logprobs is not None:
-            if self.logprobs is None:
-                self.logprobs = []
-            self.logprobs.extend(step.logprobs)
-        self.last = step
-
-    def fill(self, message: pb.GenerateResponse | pb.Sample) -> None:
-        message.output_token_ids.extend(self.token_ids)
-        message.output_text = "".join(self.text)
-        if self.last is not None:
-            message.finish_reason = self.last.finish_reason or ""
-            _set_matched_stop(message, self.last)
-        if self.logprobs is not None:
-            message.logprobs.extend(_logprobs(self.logprobs))
+def _fill_sample(message: pb.GenerateResponse | pb.Sample, sample: SampleResult) -> None:
+    message.output_token_ids.extend(sample.token_ids)
+    message.output_text = sample.output_text
+    if sample.last is not None:
+        message.finish_reason = sample.last.finish_reason or ""
+        _set_matched_stop(message, sample.last)
+    if sample.logprobs is not None:
+        message.logprobs.extend(_logprobs(sample.logprobs))
 
 
-class UnaryAccumulator:
-    """Collects the steps of one request (every sample) into a GenerateResponse."""
-
-    __slots__ = ("_prompt_logprobs", "_samples")
-
-    def __init__(self) -> None:
-        self._samples: dict[int, SampleAccumulator] = {}
-        self._prompt_logprobs: list[TokenLogprob] | None = None
-
-    def add(self, step: EngineStep) -> None:
-        sample = self._samples.get(step.index)
-        if sample is None:
-            sample = self._samples[step.index] = SampleAccumulator()
-        sample.add(step)
-        if step.prompt_logprobs is not None:
-            self._prompt_logprobs = step.prompt_logprobs
-
-    def response(self, request_id: str, metrics: pb.WorkerMetrics | None) -> pb.GenerateResponse:
-        message = pb.GenerateResponse(request_id=request_id, metrics=metrics)
-        first = self._samples.get(0)
-        if first is not None:
-            first.fill(message)
-        lasts = [s.last for s in self._samples.values() if s.last is not None]
-        if lasts:
-            message.usage.prompt_tokens = lasts[0].prompt_tokens
-            message.usage.cached_tokens = lasts[0].cached_tokens
-            message.usage.completion_tokens = sum(last.completion_tokens for last in lasts)
-        if len(self._samples) > 1:
-            for index in sorted(self._samples):
-                sample = message.samples.add(index=index)
-                self._samples[index].fill(sample)
-                last = self._samples[index].last
-                sample.completion_tokens = last.completion_tokens if last else 0
-        if self._prompt_logprobs is not None:
-            message.prompt_logprobs.extend(_logprobs(self._prompt_logprobs))
-        return message
+def unary_response(
+    request_id: str, result: RequestResult, metrics: pb.WorkerMetrics | None
+) -> pb.GenerateResponse:
+    """A finished request: sample 0 at the top level, every sample in `samples` when n > 1."""
+    message = pb.GenerateResponse(request_id=request_id, metrics=metrics)
+    first = result.samples.get(0)
+    if first is not None:
+        _fill_sample(message, first)
+    lasts = result.lasts()
+    if lasts:
+        message.usage.prompt_tokens = lasts[0].prompt_tokens
+        message.usage.cached_tokens = lasts[0].cached_tokens
+        message.usage.completion_tokens = sum(last.completion_tokens for last in lasts)
+    if len(result.samples) > 1:
+        for index, sample in result.in_order():
+            entry = message.samples.add(index=index)
+            _fill_sample(entry, sample)
+            entry.completion_tokens = sample.last.completion_tokens if sample.last else 0
+    if result.prompt_logprobs is not None:
+        message.prompt_logprobs.extend(_logprobs(result.prompt_logprobs))
+    return message
 
 
 def model_info(
@@ -175,14 +155,16 @@ def loads(ranks: list[RankLoad], in_flight: int) -> pb.GetLoadsResponse:
     return message
 
 
-def tokenizer_chunks(files: list[tuple[str, bytes]]) -> Iterator[pb.GetTokenizerResponse]:
+def tokenizer_chunks(
+    files: list[tuple[str, bytes]], digest: str
+) -> Iterator[pb.GetTokenizerResponse]:
     """Each file in chunks, then a last message with the digest of the whole (see the proto)."""
     for name, data in files:
         for start in range(0, max(len(data), 1), TOKENIZER_CHUNK_BYTES):
             yield pb.GetTokenizerResponse(
                 file_name=name, data=data[start : start + TOKENIZER_CHUNK_BYTES]
             )
-    yield pb.GetTokenizerResponse(sha256=tokenizer_digest(files), file_count=len(files))
+    yield pb.GetTokenizerResponse(sha256=digest, file_count=len(files))
 
 
 def embedding(request_id: str, result: Embedding) -> pb.EmbedResponse:

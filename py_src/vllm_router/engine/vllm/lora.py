@@ -5,9 +5,9 @@ from __future__ import annotations
 import itertools
 from typing import TYPE_CHECKING, Any
 
-from ..errors import DuplicateRequest, InvalidRequest, NotConfigured, NotFound
-from .types import LoraAdapter
-from .vllm_params import reraise
+from ...errors import DuplicateRequest, InvalidRequest, NotConfigured, NotFound
+from ..types import LoraAdapter
+from .params import reraise
 
 if TYPE_CHECKING:
     from vllm.lora.request import LoRARequest

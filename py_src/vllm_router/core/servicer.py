@@ -1,9 +1,12 @@
-"""RPC error handling in one place: the `handles_errors` decorator every handler wears.
+"""What every contract's servicer shares: the serving core it is built on, and `handles_errors`.
 
-A decorated handler raises; the decorator turns what it raised into the status from
-`errors.status_for` (logging anything unexpected with its traceback) and also answers
-requests whose bytes did not parse (see `server.interceptors`) with INVALID_ARGUMENT,
-and counts every finished RPC by its status code.
+`ServingCore` is the one set of shared parts on a server (engine, request table, serving
+state, tokenizer files, metrics); each contract's servicer is a `ContractServicer` over
+it. A decorated handler raises; `handles_errors` turns what it raised into the status
+from `errors.status_for` (logging anything unexpected with its traceback), makes an
+engine death NOT_SERVING everywhere before that status goes out, answers requests whose
+bytes did not parse (see `server.interceptors`) with INVALID_ARGUMENT, and counts every
+finished RPC by its status code.
 """
 
 from __future__ import annotations
@@ -13,17 +16,36 @@ import inspect
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
 from typing import Any, NoReturn, TypeVar
 
 import grpc
 
-from .engine import AsyncEngine
-from .errors import InvalidRequest, status_for
-from .serving import RequestTable, ServicerMetrics, ServingState
+from ..engine import AsyncEngine
+from ..errors import EngineDead, InvalidRequest, status_for
+from .health import ServingState
+from .metrics import ServicerMetrics
+from .requests import RequestTable
+from .tokenizer import TokenizerFiles
 
 logger = logging.getLogger(__name__)
 
 Handler = TypeVar("Handler", bound=Callable[..., Any])
+
+
+@dataclass
+class ServingCore:
+    """The parts of one server that every contract shares."""
+
+    engine: AsyncEngine
+    requests: RequestTable
+    state: ServingState
+    metrics: ServicerMetrics | None = None
+    tokenizer: TokenizerFiles = field(init=False)
+    started: float = field(init=False, default_factory=time.monotonic)  # for uptimes
+
+    def __post_init__(self) -> None:
+        self.tokenizer = TokenizerFiles(self.engine)
 
 
 class Malformed:
@@ -48,29 +70,28 @@ async def abort_with(context: grpc.aio.ServicerContext, exc: Exception) -> NoRet
 
 
 class ContractServicer:
-    """What every contract's servicer holds: the shared engine, request table and serving
-    state, and where `handles_errors` counts finished RPCs (`service_label` names them)."""
+    """A contract's servicer: the serving core's parts, and where `handles_errors` counts
+    finished RPCs (`service_label` names them)."""
 
     service_label: str
 
-    def __init__(
-        self,
-        engine: AsyncEngine,
-        requests: RequestTable,
-        state: ServingState,
-        metrics: ServicerMetrics | None = None,
-    ) -> None:
-        self.rpc_metrics = metrics
-        self.started = time.monotonic()  # for the uptime a contract may report
-        self._engine = engine
-        self._requests = requests
-        self._state = state
+    def __init__(self, core: ServingCore) -> None:
+        self.core = core
+        self._engine = core.engine
+        self._requests = core.requests
+        self._state = core.state
+
+
+async def _failed(servicer: ContractServicer, context: Any, exc: Exception) -> NoReturn:
+    if isinstance(exc, EngineDead):
+        await servicer._state.engine_died(exc.message)
+    await abort_with(context, exc)
 
 
 def _count(
     servicer: ContractServicer, method: str, code: grpc.StatusCode | None, context: Any
 ) -> None:
-    metrics = servicer.rpc_metrics
+    metrics = servicer.core.metrics
     if metrics is None:
         return
     if code is None:  # left early: the client went away, or its deadline passed
@@ -107,7 +128,7 @@ def handles_errors(handler: Handler) -> Handler:
                 raise
             except Exception as exc:
                 code = status_for(exc)[0]
-                await abort_with(context, exc)
+                await _failed(self, context, exc)
             finally:
                 _count(self, method, code, context)
 
@@ -129,7 +150,7 @@ def handles_errors(handler: Handler) -> Handler:
             raise
         except Exception as exc:
             code = status_for(exc)[0]
-            await abort_with(context, exc)
+            await _failed(self, context, exc)
         finally:
             _count(self, method, code, context)
 

@@ -1,8 +1,8 @@
-"""VllmEngineServicer: the vllm.engine.v1.VllmEngine RPCs, thin handlers over shared parts.
+"""VllmEngineServicer: the vllm.engine.v1.VllmEngine RPCs, thin handlers over the serving core.
 
-Each handler converts (convert.py), runs the request through the shared request
-table (serving/), and converts back (responses.py); `rpc.handles_errors` maps what
-they raise to status codes. `python -m vllm_router.vllm_servicer` runs the CLI.
+Each handler converts (convert.py), runs the request through the core's request
+table, and converts back (responses.py); `core.handles_errors` maps what they raise
+to status codes.
 """
 
 from __future__ import annotations
@@ -12,13 +12,15 @@ from typing import TypeAlias
 
 import grpc
 
+from ...core import ContractServicer, handles_errors
+from ...core.accumulate import RequestResult
+from ...core.request_fields import checked_request_id, trace_headers
+from ...engine import EngineStep, GenerationRequest, LoadSnapshot
+from ...errors import InvalidRequest, Unsupported
+from ...proto import vllm_engine_pb2 as pb
+from ...proto import vllm_engine_pb2_grpc as pb_grpc
 from . import convert, responses
-from .contract import tokenizer_digest
-from .engine import GenerationRequest, LoadSnapshot
-from .errors import InvalidRequest, Unsupported
-from .proto import vllm_engine_pb2 as pb
-from .proto import vllm_engine_pb2_grpc as pb_grpc
-from .rpc import ContractServicer, handles_errors
+from .rules import tokenizer_digest
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["VllmEngine"].full_name
 Context: TypeAlias = grpc.aio.ServicerContext
@@ -26,13 +28,12 @@ Context: TypeAlias = grpc.aio.ServicerContext
 
 class VllmEngineServicer(ContractServicer, pb_grpc.VllmEngineServicer):
     service_label = SERVICE_NAME
-    # Per-instance caches, set on first use (immutable defaults).
+    # Per-instance cache, set on first use (an immutable default).
     _metrics_for: LoadSnapshot | None = None
     _metrics: pb.WorkerMetrics
-    _tokenizer_sha256: str | None = None
 
     def _generation(self, request: pb.GenerateRequest, context: Context) -> GenerationRequest:
-        trace = convert.trace_headers(context.invocation_metadata())
+        trace = trace_headers(context.invocation_metadata())
         return convert.to_generation_request(request, self._engine.facts, trace)
 
     @handles_errors
@@ -40,34 +41,35 @@ class VllmEngineServicer(ContractServicer, pb_grpc.VllmEngineServicer):
         self, request: pb.GenerateRequest, context: Context
     ) -> AsyncIterator[pb.GenerateStreamResponse]:
         generation = self._generation(request, context)
-        async with self._requests.run(generation) as (flight, steps):
-            request_id = flight.request_id
-            first = True
-            async for step in steps:
-                flight.step(step)
-                metrics = self._worker_metrics() if first or step.finished else None
-                first = False
-                message = responses.stream_message(request_id, step, metrics)
-                # The generator resumes once gRPC has sent the message; a client that stops
-                # reading keeps it suspended here (see RequestTable.watch_stalled_streams).
-                flight.sending()
+        request_id = generation.request_id
+        first = True
+
+        def render(step: EngineStep) -> tuple[pb.GenerateStreamResponse]:
+            nonlocal first
+            responses.raise_if_failed(step)
+            # Worker load rides on the first and the last message.
+            metrics = self._worker_metrics() if first or step.finished else None
+            first = False
+            return (responses.stream_message(request_id, step, metrics),)
+
+        async with self._requests.run(generation) as flight:
+            async for message in flight.messages(render):
                 yield message
-                flight.sent()
 
     @handles_errors
     async def Generate(self, request: pb.GenerateRequest, context: Context) -> pb.GenerateResponse:
         generation = self._generation(request, context)
-        result = responses.UnaryAccumulator()
-        async with self._requests.run(generation) as (flight, steps):
-            async for step in steps:
-                flight.step(step)
+        result = RequestResult()
+        async with self._requests.run(generation) as flight:
+            async for step in flight.steps():
+                responses.raise_if_failed(step)
                 result.add(step)
-            flight.sending()
-        return result.response(generation.request_id, self._worker_metrics())
+            flight.answering()
+        return responses.unary_response(generation.request_id, result, self._worker_metrics())
 
     @handles_errors
     async def Embed(self, request: pb.EmbedRequest, context: Context) -> pb.EmbedResponse:
-        request_id = convert.checked_request_id(request.request_id)
+        request_id = checked_request_id(request.request_id)
         result = await self._requests.embed(request_id, list(request.prompt_token_ids))
         return responses.embedding(request_id, result)
 
@@ -83,13 +85,11 @@ class VllmEngineServicer(ContractServicer, pb_grpc.VllmEngineServicer):
         await self._state.require_engine()
         facts = self._engine.facts
         adapters = await self._engine.list_lora_adapters() if facts.supports_lora else []
-        if self._tokenizer_sha256 is None:  # the files do not change while serving
-            try:
-                files = await self._engine.tokenizer_files()
-                self._tokenizer_sha256 = tokenizer_digest(files)
-            except Unsupported:  # an engine without tokenizer files (the mock)
-                self._tokenizer_sha256 = ""
-        return responses.model_info(facts, adapters, self._tokenizer_sha256)
+        try:
+            digest = await self.core.tokenizer.derive(tokenizer_digest)
+        except Unsupported:  # an engine without tokenizer files (the mock)
+            digest = ""
+        return responses.model_info(facts, adapters, digest)
 
     @handles_errors
     async def GetLoads(self, request: pb.GetLoadsRequest, context: Context) -> pb.GetLoadsResponse:
@@ -101,7 +101,10 @@ class VllmEngineServicer(ContractServicer, pb_grpc.VllmEngineServicer):
         self, request: pb.GetTokenizerRequest, context: Context
     ) -> AsyncIterator[pb.GetTokenizerResponse]:
         await self._state.require_engine()
-        for chunk in responses.tokenizer_chunks(await self._engine.tokenizer_files()):
+        files = await self.core.tokenizer.files()
+        for chunk in responses.tokenizer_chunks(
+            files, await self.core.tokenizer.derive(tokenizer_digest)
+        ):
             yield chunk
 
     @handles_errors
@@ -164,9 +167,3 @@ class VllmEngineServicer(ContractServicer, pb_grpc.VllmEngineServicer):
             self._metrics_for = load
             self._metrics = responses.worker_metrics(load)
         return self._metrics
-
-
-if __name__ == "__main__":
-    from vllm_router.cli import main
-
-    main()

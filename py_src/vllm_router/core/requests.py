@@ -3,7 +3,8 @@
 It owns the one request-id space (duplicates are ALREADY_EXISTS), the admission
 limits, the drain (refuse new work, wait for idle, abort the rest), the watchdog
 that aborts streams whose client stopped reading, and the engine call itself, so
-every contract's handler is: convert, `async with table.run(request)`, convert back.
+every contract's handler is: convert, `async with table.run(request) as flight`, convert
+each of `flight.messages(...)` / `flight.steps()` back.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncIterator, Callable, Iterable
+from typing import TypeVar
 
 from ..engine import AsyncEngine, Embedding, EngineStep, GenerationRequest
 from ..errors import (
@@ -29,6 +31,8 @@ from .prompts import check_prompt
 
 logger = logging.getLogger(__name__)
 
+Message = TypeVar("Message")
+
 SHUT_DOWN = (
     "server shut down before the request finished (aborted after the drain grace period); "
     "retry on another worker"
@@ -36,14 +40,15 @@ SHUT_DOWN = (
 
 
 class Flight:
-    """One admitted request: what the watchdog needs to know, and its metrics.
+    """One admitted request: its engine steps, what the stall watchdog watches, its metrics.
 
-    Handlers call `step` on every engine step, and `sending` / `sent` around each
-    response message they hand to gRPC.
+    A handler takes the request's steps from here, already counted and checked
+    (`steps`, or `messages` for a stream, which also does the send accounting), so
+    no contract can forget that a drain abort is UNAVAILABLE, not an answer.
     """
 
-    __slots__ = ("_last_sent", "_metrics", "_started", "request_id", "sending_since", "shut_down",
-                 "task")  # fmt: skip
+    __slots__ = ("_engine_steps", "_last_sent", "_metrics", "_started", "request_id",
+                 "sending_since", "shut_down", "task")  # fmt: skip
 
     def __init__(self, request_id: str, metrics: ServicerMetrics | None) -> None:
         self.request_id = request_id
@@ -54,23 +59,38 @@ class Flight:
         self._metrics = metrics
         self._started = time.monotonic()
         self._last_sent: float | None = None
+        self._engine_steps: AsyncIterator[EngineStep] | None = None
 
-    def step(self, step: EngineStep) -> None:
-        """Count what the engine produced; on the finished step, check how it ended.
+    def begin(self, engine_steps: AsyncIterator[EngineStep]) -> None:
+        """The request runs in the engine now; these are its steps."""
+        self._engine_steps = engine_steps
 
-        An abort by the drain is UNAVAILABLE (raised here), not an answer.
+    async def steps(self) -> AsyncIterator[EngineStep]:
+        """The request's engine steps, each one counted (for answers sent at the end)."""
+        assert self._engine_steps is not None, "the flight has not started in the engine"
+        async for step in self._engine_steps:
+            self._record(step)
+            yield step
+
+    async def messages(
+        self, render: Callable[[EngineStep], Iterable[Message]]
+    ) -> AsyncIterator[Message]:
+        """The messages `render` makes of each step, as a stream handler yields them to gRPC.
+
+        The generator resumes once gRPC has sent a message; a client that stops reading
+        keeps it suspended at the yield, which the stall watchdog sees
+        (`RequestTable.watch_stalled_streams`).
         """
-        metrics = self._metrics
-        if metrics is not None and step.token_ids:
-            metrics.generated_tokens.inc(len(step.token_ids))
-        if step.finished:
-            if metrics is not None:
-                metrics.finish_reason.labels(step.finish_reason or "unknown").inc()
-            if self.shut_down and step.finish_reason == "abort":
-                raise EngineUnavailable(SHUT_DOWN)
+        assert self._engine_steps is not None, "the flight has not started in the engine"
+        async for step in self._engine_steps:
+            self._record(step)
+            for message in render(step):
+                self.answering()
+                yield message
+                self.sending_since = None
 
-    def sending(self) -> None:
-        """A response message goes to gRPC now (the stall watchdog watches until `sent`)."""
+    def answering(self) -> None:
+        """A response message goes to gRPC now (also what a unary handler calls once)."""
         now = time.monotonic()
         self.sending_since = now
         metrics = self._metrics
@@ -81,8 +101,16 @@ class Flight:
                 metrics.time_between_messages.observe(now - self._last_sent)
         self._last_sent = now
 
-    def sent(self) -> None:
-        self.sending_since = None
+    def _record(self, step: EngineStep) -> None:
+        """Count what the engine produced; on the finished step, check how it ended."""
+        metrics = self._metrics
+        if metrics is not None and step.token_ids:
+            metrics.generated_tokens.inc(len(step.token_ids))
+        if step.finished:
+            if metrics is not None:
+                metrics.finish_reason.labels(step.finish_reason or "unknown").inc()
+            if self.shut_down and step.finish_reason == "abort":
+                raise EngineUnavailable(SHUT_DOWN)
 
     def finished(self) -> None:
         if self._metrics is not None:
@@ -115,10 +143,8 @@ class RequestTable:
         return frozenset(self._flights)
 
     @contextlib.asynccontextmanager
-    async def run(
-        self, request: GenerationRequest
-    ) -> AsyncIterator[tuple[Flight, AsyncGenerator[EngineStep, None]]]:
-        """Admit `request`, start it in the engine and yield its Flight and engine steps.
+    async def run(self, request: GenerationRequest) -> AsyncIterator[Flight]:
+        """Admit `request`, start it in the engine and yield its Flight (see its steps).
 
         Leaving the block (finished, cancelled, failed) closes the engine's
         iterator, which aborts the request in the engine if it is still running.
@@ -142,8 +168,9 @@ class RequestTable:
                     request.lora_name,
                 )
             steps = self._engine.generate(request)
+            flight.begin(steps)
             try:
-                yield flight, steps
+                yield flight
             finally:
                 await steps.aclose()
 

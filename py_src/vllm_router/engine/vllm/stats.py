@@ -6,12 +6,13 @@ each rank's latest figures and when they arrived, so loads are right while idle 
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Any
 
 from prometheus_client.registry import Collector
 
-from .types import LoadSnapshot, RankLoad
+from ..types import LoadSnapshot, RankLoad
 
 
 class LoadBoard:
@@ -47,14 +48,18 @@ class LoadBoard:
                 scheduler_stats: Any,
                 iteration_stats: Any,
                 mm_cache_stats: Any = None,
-                engine_idx: int = 0,
+                engine_idx: int | None = None,
+                **more: Any,
             ) -> None:
+                # Read by name with defaults, so a renamed field costs a figure, not the
+                # engine's output loop (compat.py checks and logs the names at start).
                 if scheduler_stats is not None:
+                    figure = functools.partial(getattr, scheduler_stats)
                     board.update(
-                        engine_idx,
-                        scheduler_stats.num_running_reqs,
-                        scheduler_stats.num_waiting_reqs + scheduler_stats.num_skipped_waiting_reqs,
-                        scheduler_stats.kv_cache_usage,
+                        self.engine_index if engine_idx is None else engine_idx,
+                        figure("num_running_reqs", 0),
+                        figure("num_waiting_reqs", 0) + figure("num_skipped_waiting_reqs", 0),
+                        figure("kv_cache_usage", 0.0),
                     )
 
             def log_engine_initialized(self) -> None:
@@ -63,19 +68,20 @@ class LoadBoard:
         return LoadStatLogger
 
 
-def capture_engine_registry() -> Collector:
+def capture_engine_registry(own_copy: bool = True) -> Collector:
     """The Prometheus series of the engine just created, bound to it.
 
     vLLM registers its `vllm:*` series in prometheus_client's default registry (or a
     multiprocess one) and unregisters the previous engine's when another engine is
     created in the process; a registry of the collectors present now keeps this
-    engine's series. Read the way vLLM's own `unregister_vllm_metrics` reads them.
+    engine's series. Read the way vLLM's own `unregister_vllm_metrics` reads them
+    (`own_copy`; without it, the process-wide registry is forwarded as it is).
     """
     from prometheus_client import REGISTRY, CollectorRegistry
     from vllm.v1.metrics.prometheus import get_prometheus_registry
 
     source = get_prometheus_registry()
-    if source is not REGISTRY:
+    if source is not REGISTRY or not own_copy:
         return source
     own = CollectorRegistry(auto_describe=False)
     for collector in list(REGISTRY._collector_to_names):

@@ -14,7 +14,7 @@ from datetime import datetime, timezone
 from smg_grpc_proto.generated import common_pb2
 from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 
-from ..engine import (
+from ...engine import (
     EngineStep,
     KvBlocksRemoved,
     KvBlocksStored,

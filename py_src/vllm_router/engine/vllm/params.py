@@ -10,8 +10,8 @@ import math
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from ..errors import EngineUnavailable, InvalidRequest, Overloaded
-from .types import NEUTRAL_DEFAULT, SamplingOptions, StructuredOutputs, TokenLogprob
+from ...errors import EngineDead, InvalidRequest, Overloaded, RequestFailed
+from ..types import NEUTRAL_DEFAULT, SamplingOptions, StructuredOutputs, TokenLogprob
 
 if TYPE_CHECKING:
     from vllm.sampling_params import SamplingParams
@@ -130,13 +130,17 @@ def translate_error(exc: Exception) -> Exception:
     vLLM validates requests by raising ValueError/TypeError (or its VLLMClientError
     subclasses) before the request reaches the engine core: those are the client's.
     """
-    from vllm.exceptions import GracefulHTTPError, VLLMClientError
+    from vllm.exceptions import GenerationError, GracefulHTTPError, VLLMClientError
     from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
 
     if isinstance(exc, EngineDeadError):
-        return EngineUnavailable("vLLM engine is dead (EngineDeadError); retry on another worker")
+        return EngineDead("vLLM engine is dead (EngineDeadError); retry on another worker")
     if isinstance(exc, GracefulHTTPError):
         return Overloaded(exc.message)
+    if isinstance(exc, GenerationError):
+        # vLLM 0.33 hands a request the engine refused or failed (e.g. paused, retryable)
+        # to the front end as this exception instead of an `error` finish.
+        return RequestFailed(f"the engine failed this request: {exc}; retry on another worker")
     if isinstance(exc, (VLLMClientError, ValueError, TypeError)):
         return InvalidRequest(str(exc))
     if isinstance(exc, EngineGenerateError) and isinstance(

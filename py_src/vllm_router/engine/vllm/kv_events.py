@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import AsyncGenerator
 from typing import Any
 
-from ..errors import NotConfigured
-from .types import KvBlocksRemoved, KvBlocksStored, KvCacheCleared, KvEventBatch
+from ...errors import NotConfigured
+from ..types import KvBlocksRemoved, KvBlocksStored, KvCacheCleared, KvEventBatch
 
 NOT_ENABLED = (
     "KV cache events are not published by this engine: start it with --kv-events-config "
@@ -19,18 +19,30 @@ NOT_ENABLED = (
 )
 
 
-def zmq_endpoint(config: Any, dp_rank: int = 0) -> str:
+def _binds(endpoint: str) -> bool:
+    """vLLM's publisher rule, for a vLLM whose own helper moved (see compat.py)."""
+    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+
+
+def zmq_endpoint(config: Any, dp_rank: int = 0, *, vllm_bind_rule: bool = True) -> str:
     """Where a subscriber connects: vLLM's bind endpoint, with `*` as loopback, per DP rank.
 
     vLLM's publisher binds wildcard and ipc endpoints and connects to any other (a remote
     collector): only a bound publisher can be subscribed to from here.
     """
-    from vllm.distributed.kv_events import ZmqEventPublisher
-
     if config is None or not config.enable_kv_cache_events or config.publisher != "zmq":
         raise NotConfigured(NOT_ENABLED)
-    endpoint = str(ZmqEventPublisher.offset_endpoint_port(config.endpoint, dp_rank))
-    if not ZmqEventPublisher._is_bind_endpoint(endpoint):
+    if vllm_bind_rule:
+        from vllm.distributed.kv_events import ZmqEventPublisher
+
+        endpoint = str(ZmqEventPublisher.offset_endpoint_port(config.endpoint, dp_rank))
+        binds = ZmqEventPublisher._is_bind_endpoint(endpoint)
+    elif dp_rank == 0:
+        endpoint = str(config.endpoint)
+        binds = _binds(endpoint)
+    else:
+        raise NotConfigured("this vLLM's per-rank KV event endpoints are unknown to this worker")
+    if not binds:
         raise NotConfigured(
             f"vLLM publishes KV cache events to the collector at {endpoint}; to subscribe "
             "through this worker give --kv-events-config a bind endpoint (tcp://*:PORT or ipc://)"
@@ -62,14 +74,16 @@ def _event(event: Any) -> KvBlocksStored | KvBlocksRemoved | KvCacheCleared:
     return KvCacheCleared()
 
 
-async def kv_event_batches(config: Any, topic: str = "") -> AsyncGenerator[KvEventBatch, None]:
+async def kv_event_batches(
+    config: Any, topic: str = "", *, vllm_bind_rule: bool = True
+) -> AsyncGenerator[KvEventBatch, None]:
     """Batches from the publisher of DP rank 0, from now on, until the consumer stops."""
     import msgspec
     import zmq
     import zmq.asyncio
     from vllm.distributed.kv_events import KVEventBatch as VllmBatch
 
-    endpoint = zmq_endpoint(config)
+    endpoint = zmq_endpoint(config, vllm_bind_rule=vllm_bind_rule)
     decoder = msgspec.msgpack.Decoder(type=VllmBatch)
     context = zmq.asyncio.Context.instance()
     socket = context.socket(zmq.SUB)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .types import ModelFacts
+from ..types import ModelFacts
 
 if TYPE_CHECKING:
     from vllm.v1.engine.async_llm import AsyncLLM

@@ -18,9 +18,12 @@ vLLM's collector merges deltas.
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
-from .types import EngineStep, SamplingOptions
+from ..types import FINISH_REASONS, EngineStep, FinishReason, SamplingOptions
+
+logger = logging.getLogger(__name__)
 
 
 def lean_eligible(options: SamplingOptions, samples: int) -> bool:
@@ -28,25 +31,26 @@ def lean_eligible(options: SamplingOptions, samples: int) -> bool:
     return samples == 1 and options.logprobs is None and options.prompt_logprobs is None
 
 
-def lean_supported(llm: Any) -> bool:
-    """Whether this vLLM has the hand-off points a LeanStream takes over (checked at start)."""
-    from vllm.v1.engine.output_processor import OutputProcessor, RequestState
+def finish_of(
+    finish_reason: Any, stop_reason: int | str | None, last_token: int | None, error: Any = None
+) -> tuple[FinishReason | None, int | str | None, str | None]:
+    """vLLM's finish (enum or string) as (reason, matched stop, error message).
 
-    processor = getattr(llm, "output_processor", None)
-    return (
-        isinstance(processor, OutputProcessor)
-        and isinstance(getattr(processor, "request_states", None), dict)
-        and callable(getattr(RequestState, "make_request_output", None))
-    )
-
-
-def reported_stop_reason(
-    finish_reason: str | None, stop_reason: int | str | None, last_token: int | None
-) -> int | str | None:
-    """What a step reports as the match: a request that ended on EOS reports that EOS id."""
-    if finish_reason == "stop" and stop_reason is None:
-        return last_token
-    return stop_reason
+    A request that ended on EOS reports that EOS id as its match; only a `stop` finish
+    has a match (vLLM gives `repetition` the stop reason "repetition_detected"). A
+    reason this worker does not know is an `error`, so it can never pass for an answer.
+    """
+    if finish_reason is None:
+        return None, None, None
+    name = str(finish_reason)
+    if name == "stop":
+        return "stop", last_token if stop_reason is None else stop_reason, None
+    if name not in FINISH_REASONS:
+        return "error", None, f"vLLM finished the request with an unknown reason {name!r}"
+    if name == "error":
+        detail = getattr(error, "message", None) or "vLLM gave no detail"
+        return "error", None, detail
+    return name, None, None  # type: ignore[return-value]
 
 
 class LeanStream:
@@ -55,12 +59,15 @@ class LeanStream:
     __slots__ = (
         "_detokenizer",
         "_error",
+        "_error_detail",
+        "_failed",
         "_finish",
         "_interval",
         "_kv_transfer_params",
         "_last_token",
         "_produced",
         "_prompt_tokens",
+        "_request_id",
         "_started",
         "_state",
         "_stop_reason",
@@ -69,8 +76,11 @@ class LeanStream:
         "_waiter",
     )
 
-    def __init__(self, state: Any | None, *, detokenize: bool, prompt_tokens: int) -> None:
+    def __init__(
+        self, request_id: str, state: Any | None, *, detokenize: bool, prompt_tokens: int
+    ) -> None:
         """Takes over `state`; None: vLLM already dropped it (see `absorb`)."""
+        self._request_id = request_id
         self._state = state
         self._prompt_tokens = prompt_tokens
         self._produced = 0
@@ -82,10 +92,12 @@ class LeanStream:
         self._detokenizer = state.detokenizer if detokenize and state is not None else None
         self._token_ids: list[int] = []
         self._text: list[str] = []
-        self._finish: str | None = None
+        self._finish: Any = None  # vLLM's FinishReason (or its string form) once finished
         self._stop_reason: int | str | None = None
         self._kv_transfer_params: dict[str, Any] | None = None
         self._error: BaseException | None = None
+        self._error_detail: Any = None
+        self._failed = False
         self._started = False
         self._waiter: asyncio.Future[None] | None = None
         if state is not None:
@@ -106,7 +118,33 @@ class LeanStream:
         ec_transfer_params: dict[str, Any] | None = None,
         error: Any = None,
     ) -> None:
-        # Returning None tells the OutputProcessor there is nothing to queue.
+        """vLLM's RequestState.make_request_output, for this request (see compat.py).
+
+        It runs inside AsyncLLM's output handler, where an exception would mark the
+        whole engine errored: a failure here fails this request alone (its consumer
+        raises it, and leaving early aborts the request in the engine).
+        Returning None tells the OutputProcessor there is nothing to queue.
+        """
+        if self._failed:
+            return
+        try:
+            self._take(new_token_ids, finish_reason, stop_reason, kv_transfer_params, error)
+        except Exception as exc:
+            self._failed = True
+            logger.exception("lean output handler failed for request %s", self._request_id)
+            self._error = RuntimeError(
+                f"the output handler failed for this request: {type(exc).__name__}: {exc}"
+            )
+            self._wake()
+
+    def _take(
+        self,
+        new_token_ids: list[int],
+        finish_reason: Any,
+        stop_reason: int | str | None,
+        kv_transfer_params: dict[str, Any] | None,
+        error: Any,
+    ) -> None:
         self._token_ids += new_token_ids
         finished = finish_reason is not None
         if self._detokenizer is not None:
@@ -114,9 +152,10 @@ class LeanStream:
             if text:
                 self._text.append(text)
         if finished:
-            self._finish = str(finish_reason)
+            self._finish = finish_reason
             self._stop_reason = stop_reason
             self._kv_transfer_params = kv_transfer_params
+            self._error_detail = error
         if self._ready():
             self._wake()
 
@@ -132,7 +171,8 @@ class LeanStream:
             self._kv_transfer_params = output.kv_transfer_params
 
     def put(self, output: Any) -> None:
-        """The OutputProcessor's queue interface: only errors arrive here (engine death)."""
+        """The OutputProcessor's queue interface: only exceptions arrive here (engine death;
+        since vLLM 0.33 also a request the engine refused, e.g. while paused)."""
         if isinstance(output, BaseException):
             self._error = output
             self._wake()
@@ -162,17 +202,20 @@ class LeanStream:
         self._produced += len(token_ids)
         if token_ids:
             self._last_token = token_ids[-1]
-        finish = self._finish
+        finish, stop_reason, error = finish_of(
+            self._finish, self._stop_reason, self._last_token, self._error_detail
+        )
         step = EngineStep(
             token_ids=token_ids,
             text="".join(self._text) if self._text else "",
             finished=finish is not None,
-            finish_reason=finish,  # type: ignore[arg-type]
-            stop_reason=reported_stop_reason(finish, self._stop_reason, self._last_token),
+            finish_reason=finish,
+            stop_reason=stop_reason,
             prompt_tokens=self._prompt_tokens,
             completion_tokens=self._produced,
             cached_tokens=self._state.num_cached_tokens if self._state is not None else 0,
             kv_transfer_params=self._kv_transfer_params,
+            error=error,
         )
         self._text.clear()
         self._started = True

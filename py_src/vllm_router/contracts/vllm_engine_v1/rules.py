@@ -4,14 +4,8 @@ from __future__ import annotations
 
 import hashlib
 
-# Where a worker listens unless told otherwise (the server and the client CLI agree).
-DEFAULT_HOST = "127.0.0.1"
-DEFAULT_PORT = 50051
-DEFAULT_ADDRESS = f"{DEFAULT_HOST}:{DEFAULT_PORT}"
-# Largest message either end sends or accepts by default.
-DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
-# Where both the server and the client CLI read the shared API key from.
-API_KEY_ENV = "VLLM_SERVICER_API_KEY"
+# GetTokenizer streams each file in chunks of at most this many bytes.
+TOKENIZER_CHUNK_BYTES = 1 << 20
 
 
 def tokenizer_digest(files: list[tuple[str, bytes]]) -> str:

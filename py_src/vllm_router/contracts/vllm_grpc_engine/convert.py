@@ -15,9 +15,10 @@ from typing import Any
 
 from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 
-from ..convert import checked_request_id
-from ..engine import GenerationRequest, ModelFacts, SamplingOptions, StructuredOutputs
-from ..errors import InvalidRequest, Unsupported
+from ...core.request_fields import checked_dp_rank, checked_request_id
+from ...core.sampling import SamplingTable
+from ...engine import GenerationRequest, ModelFacts, SamplingOptions, StructuredOutputs
+from ...errors import InvalidRequest, Unsupported
 
 _CONSTRAINTS = {  # proto oneof member -> StructuredOutputs field
     "json_schema": "json",
@@ -29,42 +30,34 @@ _CONSTRAINTS = {  # proto oneof member -> StructuredOutputs field
 }
 
 
-def sampling_options(params: vpb.SamplingParams) -> SamplingOptions:
+def _structured_outputs(params: vpb.SamplingParams) -> StructuredOutputs | None:
     constraint = params.WhichOneof("constraint")
-    structured = None
-    if constraint is not None:
-        value: Any = getattr(params, constraint)
-        if constraint == "choice":
-            value = tuple(value.choices)
-        structured = StructuredOutputs(**{_CONSTRAINTS[constraint]: value})
+    if constraint is None:
+        return None
+    value: Any = getattr(params, constraint)
+    if constraint == "choice":
+        value = tuple(value.choices)
+    return StructuredOutputs(**{_CONSTRAINTS[constraint]: value})
+
+
+SAMPLING = SamplingTable(
+    vpb.SamplingParams.DESCRIPTOR,
+    special={"structured_outputs": _structured_outputs},
+    # What vLLM's --grpc server reads for an unset temperature and a zero top_p,
+    # repetition_penalty or n: the neutral value, not the model's default.
+    fallbacks={"temperature": 1.0, "top_p": 1.0, "repetition_penalty": 1.0, "n": 1},
+)
+# Proto fields read outside the table: by the request conversion below, or refused.
+HANDLED_ELSEWHERE = frozenset({*_CONSTRAINTS, "truncate_prompt_tokens", "grammar_from_first_token"})
+
+
+def sampling_options(params: vpb.SamplingParams) -> SamplingOptions:
     if params.grammar_from_first_token:
         raise Unsupported(
             "sampling_params.grammar_from_first_token is not implemented (no reasoning parser "
             "runs in this worker): the constraint applies from the first token"
         )
-    return SamplingOptions(
-        temperature=params.temperature if params.HasField("temperature") else 1.0,
-        top_p=params.top_p or 1.0,
-        top_k=params.top_k,
-        min_p=params.min_p,
-        frequency_penalty=params.frequency_penalty,
-        presence_penalty=params.presence_penalty,
-        repetition_penalty=params.repetition_penalty or 1.0,
-        max_tokens=params.max_tokens if params.HasField("max_tokens") else None,
-        min_tokens=params.min_tokens,
-        seed=params.seed if params.HasField("seed") else None,
-        ignore_eos=params.ignore_eos,
-        skip_special_tokens=params.skip_special_tokens,
-        spaces_between_special_tokens=params.spaces_between_special_tokens,
-        include_stop_str_in_output=params.include_stop_str_in_output,
-        stop=tuple(params.stop),
-        stop_token_ids=tuple(params.stop_token_ids),
-        logprobs=params.logprobs if params.HasField("logprobs") else None,
-        prompt_logprobs=params.prompt_logprobs if params.HasField("prompt_logprobs") else None,
-        n=params.n or 1,
-        logit_bias=dict(params.logit_bias) or None,
-        structured_outputs=structured,
-    )
+    return SAMPLING.read(params)
 
 
 def kv_transfer_params(request: vpb.GenerateRequest) -> Mapping[str, Any] | None:
@@ -120,12 +113,11 @@ def to_generation_request(
         text = request.text
     else:
         raise InvalidRequest("the prompt is empty: set tokenized.input_ids (or text)")
-    dp_rank = request.data_parallel_rank if request.HasField("data_parallel_rank") else None
-    if dp_rank is not None and not 0 <= dp_rank < facts.dp_size:
-        raise InvalidRequest(
-            f"data_parallel_rank {dp_rank} is out of range: this engine has data_parallel_size "
-            f"{facts.dp_size} (valid ranks 0..{facts.dp_size - 1})"
-        )
+    dp_rank = checked_dp_rank(
+        request.data_parallel_rank if request.HasField("data_parallel_rank") else None,
+        facts,
+        "data_parallel_rank",
+    )
     sampling = sampling_options(params)
     return GenerationRequest(
         request_id=checked_request_id(request.request_id),

@@ -1,8 +1,8 @@
 """VllmGrpcServicer: vllm.grpc.engine.VllmEngine (what `vllm serve --grpc` serves, the
-contract the SMG router speaks), over the same engine, request table and health as ours.
+contract the SMG router speaks), over the serving core every contract shares.
 
-Handlers are thin: convert.py in, the shared RequestTable, responses.py out; errors are
-mapped by `rpc.handles_errors` exactly as for vllm.engine.v1.
+Handlers are thin: convert.py in, the core's request table, responses.py out; errors
+are mapped by `core.handles_errors` as for every contract.
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ from smg_grpc_proto.generated import common_pb2
 from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vpb_grpc
 
-from ..convert import checked_request_id, trace_headers
-from ..engine import TokenLogprob
-from ..errors import NotConfigured, Unsupported
-from ..responses import SampleAccumulator
-from ..rpc import ContractServicer, handles_errors
+from ...core import ContractServicer, handles_errors
+from ...core.accumulate import RequestResult
+from ...core.request_fields import checked_request_id, trace_headers
+from ...engine import EngineStep, TokenLogprob
+from ...errors import NotConfigured, Unsupported
 from . import convert, responses
 
 SERVICE_NAME = vpb.DESCRIPTOR.services_by_name["VllmEngine"].full_name
@@ -30,7 +30,6 @@ Context: TypeAlias = grpc.aio.ServicerContext
 
 class VllmGrpcServicer(ContractServicer, vpb_grpc.VllmEngineServicer):
     service_label = SERVICE_NAME
-    _tokenizer_zip: bytes | None = None  # built on first GetTokenizer
 
     @functools.cached_property
     def _eos(self) -> frozenset[int]:
@@ -45,37 +44,42 @@ class VllmGrpcServicer(ContractServicer, vpb_grpc.VllmEngineServicer):
         sampling = generation.sampling
         num_top = max(sampling.logprobs or 0, 0)
         num_prompt_top = max(sampling.prompt_logprobs or 0, 0)
-        prompt: list[TokenLogprob] | None = None
-        seen: set[int] = set()
-        samples: dict[int, SampleAccumulator] = {}
-        async with self._requests.run(generation) as (flight, steps):
-            async for step in steps:
-                if step.prompt_logprobs is not None:
-                    prompt = step.prompt_logprobs
-                flight.step(step)
-                if not request.stream:
-                    samples.setdefault(step.index, SampleAccumulator()).add(step)
-                    continue
-                first = step.index not in seen
-                seen.add(step.index)
-                flight.sending()
-                yield responses.chunk(step, num_top, prompt if first else None, num_prompt_top)
-                if step.finished:
+        async with self._requests.run(generation) as flight:
+            if not request.stream:
+                result = RequestResult()
+                async for step in flight.steps():
+                    result.add(step)
+                flight.answering()  # the whole answer, below
+            else:
+                prompt: list[TokenLogprob] | None = None
+                seen: set[int] = set()
+
+                def render(step: EngineStep) -> list[vpb.GenerateResponse]:
+                    nonlocal prompt
+                    if step.prompt_logprobs is not None:
+                        prompt = step.prompt_logprobs
+                    first = step.index not in seen
+                    seen.add(step.index)
+                    chunk = responses.chunk(
+                        step, num_top, prompt if first else None, num_prompt_top
+                    )
+                    if not step.finished:
+                        return [chunk]
                     # As vLLM's --grpc server: the last step's tokens again, the router
                     # takes finish reason, matched stop and logprobs from here.
-                    yield responses.complete(
+                    return [chunk, responses.complete(
                         step, step.token_ids, step.logprobs, num_top, prompt, num_prompt_top,
                         self._eos,
-                    )  # fmt: skip
-                flight.sent()
-            if not request.stream:
-                flight.sending()  # the whole answer, below
-        for index in sorted(samples):
-            sample = samples[index]
+                    )]  # fmt: skip
+
+                async for message in flight.messages(render):
+                    yield message
+                return
+        for _, sample in result.in_order():
             assert sample.last is not None
             yield responses.complete(
-                sample.last, sample.token_ids, sample.logprobs, num_top, prompt,
-                num_prompt_top, self._eos,
+                sample.last, sample.token_ids, sample.logprobs, num_top,
+                result.prompt_logprobs, num_prompt_top, self._eos,
             )  # fmt: skip
 
     @handles_errors
@@ -141,7 +145,7 @@ class VllmGrpcServicer(ContractServicer, vpb_grpc.VllmEngineServicer):
     ) -> vpb.GetServerInfoResponse:
         await self._state.require_engine()
         active = len(self._requests.in_flight)
-        return responses.server_info(self._engine.facts, active, self.started)
+        return responses.server_info(self._engine.facts, active, self.core.started)
 
     @handles_errors
     async def GetLoads(
@@ -159,9 +163,8 @@ class VllmGrpcServicer(ContractServicer, vpb_grpc.VllmEngineServicer):
         self, request: common_pb2.GetTokenizerRequest, context: Context
     ) -> AsyncIterator[common_pb2.GetTokenizerChunk]:
         await self._state.require_engine()
-        if self._tokenizer_zip is None:
-            self._tokenizer_zip = responses.tokenizer_zip(await self._engine.tokenizer_files())
-        for piece in responses.tokenizer_chunks(self._tokenizer_zip):
+        archive = await self.core.tokenizer.derive(responses.tokenizer_zip)
+        for piece in responses.tokenizer_chunks(archive):
             yield piece
 
     @handles_errors

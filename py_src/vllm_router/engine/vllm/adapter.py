@@ -1,8 +1,8 @@
 """Adapter from vLLM's v1 AsyncLLM to the engine protocol.
 
 vLLM is imported lazily: importing this module is cheap and works without vLLM.
-Conversions live in vllm_params.py, load figures in vllm_stats.py, LoRA names in
-vllm_lora.py.
+Conversions live in params.py, load figures in stats.py, LoRA names in lora.py; every
+vLLM internal the adapter touches is named and checked in compat.py.
 """
 
 from __future__ import annotations
@@ -11,12 +11,12 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncGenerator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, cast
 
 from prometheus_client.registry import Collector
 
-from ..errors import EngineUnavailable, NotConfigured
-from .types import (
+from ...errors import EngineDead, NotConfigured
+from ..types import (
     Embedding,
     EngineStep,
     GenerationRequest,
@@ -26,16 +26,27 @@ from .types import (
     ModelFacts,
     RankLoad,
 )
-from .vllm_facts import model_facts, read_tokenizer_files
-from .vllm_generate import VllmCall, lean_steps, request_output_steps
-from .vllm_kv_events import kv_event_batches
-from .vllm_lean import lean_eligible, lean_supported
-from .vllm_lora import LoraRegistry
-from .vllm_params import build_sampling_params, reraise
-from .vllm_stats import LoadBoard, capture_engine_registry
+from .compat import (
+    ENGINE_SERIES,
+    KV_EVENT_ENDPOINT,
+    LEAN_OUTPUTS,
+    RENDER,
+    TOKENIZE,
+)
+from .compat import (
+    check as check_touch_points,
+)
+from .facts import model_facts, read_tokenizer_files
+from .generate import VllmCall, lean_steps, request_output_steps
+from .kv_events import kv_event_batches
+from .lean import lean_eligible
+from .lora import LoraRegistry
+from .params import build_sampling_params, reraise
+from .stats import LoadBoard, capture_engine_registry
 
 if TYPE_CHECKING:
     from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.inputs import TextPrompt, TokensPrompt
     from vllm.v1.engine.async_llm import AsyncLLM
 
 logger = logging.getLogger(__name__)
@@ -46,14 +57,14 @@ class VllmEngine:
 
     def __init__(self, llm: AsyncLLM, board: LoadBoard, *, lean_outputs: bool = True) -> None:
         self._llm = llm
+        # The features whose vLLM internals match this vLLM (compat.py logs the rest).
+        self.features = check_touch_points(llm)
         # Token streams without a RequestOutput per step where a request allows it
-        # (vllm_lean.py); off when asked, or when this vLLM lacks the hand-off points.
-        self.lean_outputs = lean_outputs and lean_supported(llm)
-        if lean_outputs and not self.lean_outputs:
-            logger.warning("this vLLM version has no OutputProcessor hand-off; lean outputs off")
+        # (lean.py); off when asked, or when this vLLM lacks the hand-off points.
+        self.lean_outputs = lean_outputs and LEAN_OUTPUTS in self.features
         self.lean_streams = 0  # requests served on the lean path (for tests and debugging)
         self._board = board
-        self._prometheus = capture_engine_registry()
+        self._prometheus = capture_engine_registry(ENGINE_SERIES in self.features)
         model_config = llm.vllm_config.model_config
         self._max_model_len = model_config.max_model_len
         self._model_defaults = model_config.get_diff_sampling_param()
@@ -110,11 +121,11 @@ class VllmEngine:
         try:
             await self._llm.check_health()
         except Exception as exc:
-            raise EngineUnavailable(f"vLLM engine health check failed: {exc}") from exc
+            raise EngineDead(f"vLLM engine health check failed: {exc}") from exc
 
     async def reset_prefix_cache(self) -> bool:
         if self._llm.errored:
-            raise EngineUnavailable("vLLM engine is dead; cannot reset its prefix cache")
+            raise EngineDead("vLLM engine is dead; cannot reset its prefix cache")
         try:
             return await self._llm.reset_prefix_cache()
         except Exception as exc:
@@ -145,7 +156,11 @@ class VllmEngine:
 
     def kv_events(self) -> AsyncGenerator[KvEventBatch, None]:
         config = self._llm.vllm_config.kv_events_config
-        return kv_event_batches(config, getattr(config, "topic", "") or "")
+        return kv_event_batches(
+            config,
+            getattr(config, "topic", "") or "",
+            vllm_bind_rule=KV_EVENT_ENDPOINT in self.features,
+        )
 
     async def start_profile(self) -> None:
         self._require_profiler()
@@ -169,21 +184,30 @@ class VllmEngine:
 
     async def tokenize(self, text: str) -> list[int]:
         """Tokenized as vLLM's completions server does (special tokens added)."""
-        renderer = self._llm.renderer
         try:
+            if TOKENIZE not in self.features:
+                tokenizer = self._llm.get_tokenizer()
+                return list(await asyncio.to_thread(tokenizer.encode, text))
+            renderer = self._llm.renderer
             prompt = await renderer.tokenize_prompt_async(
-                {"prompt": text}, renderer.default_cmpl_tok_params
+                cast("TextPrompt", {"prompt": text}), renderer.default_cmpl_tok_params
             )
         except Exception as exc:
             reraise(exc)
         return list(prompt["prompt_token_ids"])  # type: ignore[typeddict-item]
 
+    def _engine_prompt(self, ids: list[int]) -> Any:
+        """The prompt as vLLM's own completions server hands it over: rendered here, so a
+        prompt that is already token ids takes no tokenizer work and no thread-pool hop."""
+        prompt = cast("TokensPrompt", {"prompt_token_ids": ids})
+        if RENDER not in self.features:
+            return prompt
+        return self._llm.renderer.process_for_engine(prompt, arrival_time=time.time())
+
     async def embed(self, request_id: str, prompt_token_ids: list[int]) -> Embedding:
         from vllm.pooling_params import PoolingParams
 
-        prompt = self._llm.renderer.process_for_engine(
-            {"prompt_token_ids": prompt_token_ids}, arrival_time=time.time()
-        )
+        prompt = self._engine_prompt(prompt_token_ids)
         outputs = self._llm.encode(prompt, PoolingParams(task="embed"), request_id)
         try:
             async for out in outputs:
@@ -194,7 +218,7 @@ class VllmEngine:
             reraise(exc)
         finally:
             await outputs.aclose()
-        raise EngineUnavailable("the engine ended the embedding request without a result")
+        raise RuntimeError("the engine ended the embedding request without a result")
 
     def generate(self, request: GenerationRequest) -> AsyncGenerator[EngineStep, None]:
         # A plain method returning the steps' generator: no extra generator layer per
@@ -216,11 +240,7 @@ class VllmEngine:
             reraise(exc)
         call = VllmCall(
             request_id=request.request_id,
-            # Rendered as vLLM's own completions server does: no tokenizer work and no
-            # thread-pool hop for a prompt that is already token ids.
-            prompt=self._llm.renderer.process_for_engine(
-                {"prompt_token_ids": ids}, arrival_time=time.time()
-            ),
+            prompt=self._engine_prompt(ids),
             prompt_token_ids=ids,
             params=params,
             options={

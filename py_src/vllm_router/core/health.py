@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from ..engine import AsyncEngine
 from ..errors import EngineUnavailable
+
+logger = logging.getLogger(__name__)
 
 ENGINE_DEAD = "the engine is dead; this worker cannot serve (retry on another worker)"
 DRAINING = "server is draining (shutting down); retry on another worker"
@@ -24,13 +29,35 @@ SERVING = ServingStatus(serving=True)
 class ServingState:
     """Whether this worker serves: the engine is alive and the server is not draining.
 
-    The custom HealthCheck RPC, grpc.health.v1 (through the server's watcher) and
-    request admission all ask `status()`; nothing else decides.
+    The contracts' HealthCheck RPCs, grpc.health.v1 (through the server's watcher) and
+    request admission all ask `status()`; nothing else decides. Engine death is final:
+    the first path that sees it (a stream, an RPC, a health check, the poll) calls
+    `engine_died`, which runs the listeners (the server publishes NOT_SERVING on
+    grpc.health.v1) before that path answers its own client.
     """
 
     def __init__(self, engine: AsyncEngine) -> None:
         self._engine = engine
         self._draining = False
+        self._dead: str | None = None
+        self._death_listeners: list[Callable[[], Awaitable[None]]] = []
+        self._death_announced = asyncio.Event()
+
+    def on_engine_death(self, listener: Callable[[], Awaitable[None]]) -> None:
+        self._death_listeners.append(listener)
+
+    async def engine_died(self, detail: str) -> None:
+        """Record the engine's death; returns once every listener has heard of it
+        (every caller waits for that, not only the first)."""
+        if self._dead is None:
+            self._dead = ENGINE_DEAD
+            logger.error("Engine died (%s): this worker is NOT_SERVING from now on", detail)
+            try:
+                for listener in self._death_listeners:
+                    await listener()
+            finally:
+                self._death_announced.set()
+        await self._death_announced.wait()
 
     def start_draining(self) -> None:
         self._draining = True
@@ -41,7 +68,7 @@ class ServingState:
 
     @property
     def engine_dead(self) -> bool:
-        return self._engine.errored
+        return self._dead is not None or self._engine.errored
 
     async def status(self) -> ServingStatus:
         problem = await self._engine_problem()
@@ -64,10 +91,14 @@ class ServingState:
             raise EngineUnavailable(problem)
 
     async def _engine_problem(self) -> str | None:
+        if self._dead is not None:
+            return self._dead
         if self._engine.errored:
-            return ENGINE_DEAD
+            await self.engine_died("the engine reports itself errored")
+            return self._dead
         try:
             await self._engine.check_health()
         except EngineUnavailable as exc:
-            return exc.message
+            await self.engine_died(exc.message)
+            return self._dead
         return None

@@ -1,0 +1,1 @@
+"""Our own contract, `vllm.engine.v1.VllmEngine` (proto/vllm_engine.proto)."""

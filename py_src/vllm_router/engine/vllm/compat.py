@@ -1,0 +1,213 @@
+"""Every vLLM internal this adapter touches, named once and checked when the engine starts.
+
+The adapter speaks vLLM's public API (`AsyncLLM.generate`, `abort`, `check_health`,
+`SamplingParams`, ...) and, for speed or for facts that API does not give, a few
+internals. Each internal is a `TouchPoint` below: what it is, the feature that needs
+it, and the public path that feature falls back to. `check(llm)` looks at each one
+(attributes, the attributes a constructor assigns, `inspect.signature`), logs one line
+per mismatch and returns the features that may run; the worker always keeps serving.
+The suite ran on the versions in `CHECKED_VERSIONS`; another version only adds a log
+line, the checks decide.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import logging
+import textwrap
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+# vLLM releases whose touch points were read and the suite was run on (0.33 read from
+# its wheel's source: the same names and signatures at every touch point below).
+CHECKED_VERSIONS = ("0.32.0", "0.33.0")
+
+LEAN_OUTPUTS = "lean outputs"
+ENGINE_SERIES = "per-engine vllm:* series"
+KV_EVENT_ENDPOINT = "KV event endpoint check"
+LOAD_FIGURES = "load figures"
+TOKENIZE = "text prompt tokenization"
+RENDER = "prompt rendering"
+
+# What RequestState.make_request_output takes; LeanStream's handler takes the same.
+MAKE_REQUEST_OUTPUT_PARAMS = (
+    "new_token_ids", "pooling_output", "finish_reason", "stop_reason",
+    "kv_transfer_params", "ec_transfer_params", "error",
+)  # fmt: skip
+# What AsyncLLM.add_request / generate receive from the adapter by keyword.
+REQUEST_KEYWORDS = ("lora_request", "trace_headers", "priority", "data_parallel_rank")
+STAT_RECORD_PARAMS = ("scheduler_stats", "iteration_stats", "mm_cache_stats", "engine_idx")
+SCHEDULER_STATS_FIELDS = (
+    "num_running_reqs", "num_waiting_reqs", "num_skipped_waiting_reqs", "kv_cache_usage",
+)  # fmt: skip
+
+
+def parameters(function: Any) -> tuple[str, ...]:
+    """The parameter names of `function`, without `self`."""
+    names = tuple(inspect.signature(function).parameters)
+    return names[1:] if names[:1] == ("self",) else names
+
+
+def assigned_attributes(cls: type) -> set[str]:
+    """The `self.X` attributes `cls.__init__` assigns (read from its source)."""
+    source = textwrap.dedent(inspect.getsource(cls.__init__))  # type: ignore[misc]
+    return {
+        target.attr
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, (ast.Assign, ast.AnnAssign))
+        for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
+        if isinstance(target, ast.Attribute)
+        and isinstance(target.value, ast.Name)
+        and target.value.id == "self"
+    }
+
+
+def _missing(have: tuple[str, ...] | set[str], want: tuple[str, ...]) -> str | None:
+    absent = [name for name in want if name not in have]
+    return f"lacks {', '.join(absent)}" if absent else None
+
+
+def _make_request_output(llm: Any) -> str | None:
+    from vllm.v1.engine.output_processor import RequestState
+
+    have = parameters(RequestState.make_request_output)
+    if have != MAKE_REQUEST_OUTPUT_PARAMS:
+        return f"takes ({', '.join(have)}), expected ({', '.join(MAKE_REQUEST_OUTPUT_PARAMS)})"
+    return _missing(
+        assigned_attributes(RequestState),
+        ("queue", "detokenizer", "stream_interval", "num_cached_tokens"),
+    )
+
+
+def _request_states(llm: Any) -> str | None:
+    from vllm.v1.engine.output_processor import OutputProcessor
+
+    processor = getattr(llm, "output_processor", None)
+    if not isinstance(processor, OutputProcessor):
+        return "AsyncLLM.output_processor is not vLLM's OutputProcessor"
+    if not isinstance(getattr(processor, "request_states", None), dict):
+        return "OutputProcessor.request_states is not a dict"
+    return None
+
+
+def _add_request(llm: Any) -> str | None:
+    from vllm.v1.engine.output_processor import RequestOutputCollector
+
+    problem = _missing(parameters(type(llm).add_request), ("request_id", "prompt", "params",
+                                                           *REQUEST_KEYWORDS))  # fmt: skip
+    problem = problem or _missing(parameters(type(llm).abort), ("request_id", "internal"))
+    collector = {*dir(RequestOutputCollector), *assigned_attributes(RequestOutputCollector)}
+    return problem or _missing(collector, ("request_id", "get_nowait", "close"))
+
+
+def _detokenizer(llm: Any) -> str | None:
+    from vllm.v1.engine.detokenizer import IncrementalDetokenizer
+
+    have = parameters(IncrementalDetokenizer.get_next_output_text)
+    return None if have == ("finished", "delta") else f"takes ({', '.join(have)})"
+
+
+def _collector_to_names(llm: Any) -> str | None:
+    from prometheus_client import REGISTRY
+
+    found = getattr(REGISTRY, "_collector_to_names", None)
+    return None if isinstance(found, dict) else "prometheus_client's REGISTRY has no such dict"
+
+
+def _bind_endpoint(llm: Any) -> str | None:
+    from vllm.distributed.kv_events import ZmqEventPublisher
+
+    problem = _missing(parameters(ZmqEventPublisher._is_bind_endpoint), ("endpoint",))
+    return problem or _missing(
+        parameters(ZmqEventPublisher.offset_endpoint_port), ("endpoint", "data_parallel_rank")
+    )
+
+
+def _stat_logger(llm: Any) -> str | None:
+    from vllm.v1.metrics.loggers import StatLoggerBase
+    from vllm.v1.metrics.stats import SchedulerStats
+
+    problem = _missing(parameters(StatLoggerBase.record), STAT_RECORD_PARAMS)
+    fields = set(getattr(SchedulerStats, "__dataclass_fields__", {}))
+    return problem or _missing(fields, SCHEDULER_STATS_FIELDS)
+
+
+def _renderer_tokenize(llm: Any) -> str | None:
+    renderer = getattr(llm, "renderer", None)
+    if renderer is None:
+        return "AsyncLLM has no renderer"
+    problem = _missing(parameters(type(renderer).tokenize_prompt_async), ("prompt", "params"))
+    return problem or _missing(set(dir(type(renderer))), ("default_cmpl_tok_params",))
+
+
+def _renderer_process(llm: Any) -> str | None:
+    renderer = getattr(llm, "renderer", None)
+    if renderer is None:
+        return "AsyncLLM has no renderer"
+    return _missing(parameters(type(renderer).process_for_engine), ("prompt", "arrival_time"))
+
+
+@dataclass(frozen=True)
+class TouchPoint:
+    name: str
+    feature: str
+    fallback: str
+    # The problem when this vLLM does not match, None when it does (given the AsyncLLM).
+    check: Callable[[Any], str | None]
+
+
+TOUCH_POINTS = (
+    TouchPoint("RequestState.make_request_output and its attributes", LEAN_OUTPUTS,
+               "every request through AsyncLLM.generate", _make_request_output),
+    TouchPoint("OutputProcessor.request_states", LEAN_OUTPUTS,
+               "every request through AsyncLLM.generate", _request_states),
+    TouchPoint("AsyncLLM.add_request / abort(internal=) / RequestOutputCollector", LEAN_OUTPUTS,
+               "every request through AsyncLLM.generate", _add_request),
+    TouchPoint("IncrementalDetokenizer.get_next_output_text", LEAN_OUTPUTS,
+               "every request through AsyncLLM.generate", _detokenizer),
+    TouchPoint("prometheus_client REGISTRY._collector_to_names", ENGINE_SERIES,
+               "/metrics forwards the whole process registry", _collector_to_names),
+    TouchPoint("ZmqEventPublisher._is_bind_endpoint / offset_endpoint_port", KV_EVENT_ENDPOINT,
+               "our own copy of the bind rule (wildcard, ipc, inproc)", _bind_endpoint),
+    TouchPoint("StatLoggerBase.record and SchedulerStats fields", LOAD_FIGURES,
+               "figures read by name where present, 0 where absent", _stat_logger),
+    TouchPoint("renderer.tokenize_prompt_async / default_cmpl_tok_params", TOKENIZE,
+               "the tokenizer's encode (special tokens added)", _renderer_tokenize),
+    TouchPoint("renderer.process_for_engine", RENDER,
+               "a token prompt handed to AsyncLLM as is", _renderer_process),
+)  # fmt: skip
+
+
+def _version_checked(version: str) -> bool:
+    base = version.split("+", 1)[0]
+    return base in CHECKED_VERSIONS
+
+
+def check(llm: Any, touch_points: tuple[TouchPoint, ...] = TOUCH_POINTS) -> frozenset[str]:
+    """The features whose touch points all match this vLLM (one log line per mismatch)."""
+    import vllm
+
+    if not _version_checked(vllm.__version__):
+        logger.warning(
+            "vLLM %s is not among the versions this worker was checked on (%s); "
+            "its touch points are checked one by one",
+            vllm.__version__,
+            ", ".join(CHECKED_VERSIONS),
+        )
+    features = {point.feature for point in touch_points}
+    for point in touch_points:
+        try:
+            problem = point.check(llm)
+        except Exception as exc:  # an import path or attribute that moved
+            problem = f"{type(exc).__name__}: {exc}"
+        if problem is not None:
+            features.discard(point.feature)
+            logger.warning(
+                "vLLM touch point %s does not match (%s): %s off, %s",
+                point.name, problem, point.feature, point.fallback,
+            )  # fmt: skip
+    return frozenset(features)

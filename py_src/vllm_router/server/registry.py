@@ -1,0 +1,48 @@
+"""The contracts a server mounts: one entry each, the only place that names them.
+
+A contract is a package under `vllm_router.contracts` plus one `ContractEntry` here:
+the service it serves (its health and reflection name), the servicer built over the
+serving core, the generated function that adds it to a gRPC server, and whether the
+server's configuration turns it on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vpb_grpc
+
+from ..contracts.vllm_engine_v1.servicer import SERVICE_NAME as ENGINE_V1_SERVICE
+from ..contracts.vllm_engine_v1.servicer import VllmEngineServicer
+from ..contracts.vllm_grpc_engine.servicer import SERVICE_NAME as VLLM_GRPC_SERVICE
+from ..contracts.vllm_grpc_engine.servicer import VllmGrpcServicer
+from ..core import ContractServicer, ServingCore
+from ..proto import vllm_engine_pb2_grpc as pb_grpc
+from .config import ServerConfig
+
+
+@dataclass(frozen=True)
+class ContractEntry:
+    # Full service name: routed by the server, answered by grpc.health.v1, listed by reflection.
+    service_name: str
+    servicer: Callable[[ServingCore], ContractServicer]
+    add_to_server: Callable[[Any, grpc.aio.Server], None]
+    enabled: Callable[[ServerConfig], bool] = lambda config: True
+
+
+CONTRACTS: tuple[ContractEntry, ...] = (
+    ContractEntry(ENGINE_V1_SERVICE, VllmEngineServicer, pb_grpc.add_VllmEngineServicer_to_server),
+    ContractEntry(
+        VLLM_GRPC_SERVICE,
+        VllmGrpcServicer,
+        vpb_grpc.add_VllmEngineServicer_to_server,
+        enabled=lambda config: config.vllm_grpc,
+    ),
+)
+
+
+def enabled_contracts(config: ServerConfig) -> tuple[ContractEntry, ...]:
+    return tuple(entry for entry in CONTRACTS if entry.enabled(config))
