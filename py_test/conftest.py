@@ -133,17 +133,22 @@ async def router_ours(real: Harness) -> AsyncIterator[str]:
 
 
 @pytest.fixture(scope="session")
-def router_reference() -> Iterator[str]:
-    """The same router in front of vLLM's own --grpc server, same model and engine flags."""
+def vllm_grpc_reference() -> Iterator[str]:
+    """vLLM's own --grpc server (the reference on its contract), same model and engine flags
+    as `real`; one per session, for direct gRPC comparisons and behind `router_reference`."""
     real_engine.require_vllm()
+    model = real_engine.tiny_model()
+    log = model.parent / "vllm-grpc.log"
+    with routers.vllm_grpc_server(model, real_engine.ENGINE_FLAGS, log) as address:
+        yield address
+
+
+@pytest.fixture(scope="session")
+def router_reference(vllm_grpc_reference: str) -> Iterator[str]:
+    """The same router in front of vLLM's own --grpc server, same model and engine flags."""
     require(routers.smg_path() is not None, "smg is not installed (make test)")
     model = real_engine.tiny_model()
-    with (
-        routers.vllm_grpc_server(
-            model, real_engine.ENGINE_FLAGS, model.parent / "vllm-grpc.log"
-        ) as worker,
-        routers.smg_router([worker], model, model.parent / "router-ref.log") as base,
-    ):
+    with routers.smg_router([vllm_grpc_reference], model, model.parent / "router-ref.log") as base:
         yield base
 
 

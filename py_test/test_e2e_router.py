@@ -16,6 +16,7 @@ import pytest
 from vllm_router.proto import vllm_engine_pb2 as pb
 
 from harness import Harness, real_engine_idle, wait_until
+from real_engine import MAX_MODEL_LEN
 from routers import openai_post, openai_stream
 
 pytestmark = pytest.mark.vllm
@@ -81,7 +82,30 @@ CASES: dict[str, tuple[str, dict, bool]] = {
     "chat tools required": (CHAT, _chat("Weather in Paris?", max_tokens=160, temperature=0,
                                         tools=TOOLS, tool_choice="required"), False),
     "prompt over the context window": (CHAT, _chat("word " * 400, max_tokens=8), False),
+    # OpenAI clients send a fixed large max_tokens: generated until the context is full.
+    "chat max_tokens past the context": (CHAT, _chat("Hello worker", max_tokens=2048,
+                                                     temperature=0, ignore_eos=True), False),
+    "chat max_tokens past the context streamed with stop": (
+        CHAT, _chat("Hello worker", max_tokens=2048, temperature=0, stop=["zq"]), True),
+    "completions max_tokens past the context": (COMPLETIONS, {"prompt": "The router",
+                                                              "max_tokens": 2048,
+                                                              "temperature": 0,
+                                                              "ignore_eos": True}, False),
+    # Tool calling with sampling, seeded so both workers must give the same outcome.
+    "chat tools required seeded": (CHAT, _chat("Weather in Rome?", max_tokens=2048,
+                                               temperature=0.8, seed=11, tools=TOOLS,
+                                               tool_choice="required"), False),
+    "chat tools auto seeded": (CHAT, _chat("Weather in Paris?", max_tokens=2048,
+                                           temperature=0.7, seed=12, tools=TOOLS,
+                                           tool_choice="auto"), False),
 }  # fmt: skip
+
+
+def _without_ids(tool_calls: list[dict] | None) -> list[dict] | None:
+    """Tool calls without their ids: the router draws a random `call_...` id for each."""
+    if tool_calls is None:
+        return None
+    return [{key: value for key, value in call.items() if key != "id"} for call in tool_calls]
 
 
 def _normalized(path: str, status: int, body: dict) -> Any:
@@ -95,7 +119,9 @@ def _normalized(path: str, status: int, body: dict) -> Any:
             (
                 choice["index"],
                 message.get("content") if path == CHAT else choice.get("text"),
-                json.dumps(message.get("tool_calls"), sort_keys=True) if message else None,
+                json.dumps(_without_ids(message.get("tool_calls")), sort_keys=True)
+                if message
+                else None,
                 choice["finish_reason"],
                 json.dumps(choice.get("logprobs"), sort_keys=True),
             )
@@ -156,6 +182,16 @@ async def test_router_answers_are_identical_through_ours_and_vllm_grpc(
     # a tool-call array (the random-weight model never closes it within the budget).
     content = answers["chat tools required"][1][0][1]
     assert content.lstrip().startswith("[") and '"get_weather"' in content, content
+    # Seeded and long enough, the tool call closes: the router parses it into tool_calls.
+    seeded = answers["chat tools required seeded"][1][0]
+    assert seeded[3] == "tool_calls" and json.loads(seeded[2])[0]["function"]["name"] == (
+        "get_weather"
+    ), seeded
+    # A max_tokens past the 256-token context is an answer that filled it, as on vLLM's server.
+    for name in ("chat max_tokens past the context", "completions max_tokens past the context"):
+        status, choices, (prompt_tokens, completion_tokens) = answers[name]
+        assert (status, choices[0][3]) == (200, "length"), (name, answers[name])
+        assert prompt_tokens + completion_tokens == MAX_MODEL_LEN, (name, answers[name])
     figures(f"{len(matched)} OpenAI cases identical through the router to ours and to vLLM --grpc")
 
 

@@ -82,6 +82,36 @@ async def test_repetition_passes_through_vllms_contract(
     assert complete.WhichOneof("matched_stop") is None
 
 
+@pytest.mark.parametrize("stream", [True, False])
+async def test_an_error_finish_on_vllms_contract_is_a_complete_as_vllms_server_sends(
+    start_mock: StartServer, stream: bool
+) -> None:
+    """vLLM's --grpc server answers an `error` finish with a complete (status OK); the SMG
+    router turns it into HTTP 500 for its client. Same here, and the worker serves on."""
+    harness = await start_mock(fault_finish_reason="error")
+    stub = vpb_grpc.VllmEngineStub(harness.channel)
+    replies = [r async for r in stub.Generate(_official([10], stream, max_tokens=8))]
+    assert replies[-1].complete.finish_reason == "error"
+    assert not harness.server.requests.in_flight and not harness.engine.errored
+
+
+async def test_max_tokens_past_the_context_is_refused_on_ours_and_filled_on_vllms(
+    start_mock: StartServer,
+) -> None:
+    harness = await start_mock(max_model_len=16)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await harness.stub.Generate(request([10, 11], max_tokens=100, ignore_eos=True))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "ask for at most 14 tokens" in err.value.details()
+    stub = vpb_grpc.VllmEngineStub(harness.channel)
+    replies = [
+        r async for r in stub.Generate(_official([10, 11], False, max_tokens=100, ignore_eos=True))
+    ]
+    assert (replies[-1].complete.finish_reason, replies[-1].complete.completion_tokens) == (
+        "length", 14,
+    )  # fmt: skip
+
+
 async def test_engine_death_flips_every_health_answer_before_a_stream_hears_of_it(
     start_mock: StartServer,
 ) -> None:

@@ -29,7 +29,11 @@ def _engine_core(pid: int) -> psutil.Process:
 async def test_killing_the_engine_core_mid_stream(figures) -> None:
     require_vllm()
     model = tiny_model()
-    server = await servers.start("--model", str(model), "--port", "0", *cli_flags(), timeout=240)
+    # The health poll is far away: only the death signal itself can flip health in time.
+    server = await servers.start(
+        "--model", str(model), "--port", "0", "--health-poll-seconds", "30", *cli_flags(),
+        timeout=240,
+    )  # fmt: skip
     try:
         async with grpc.aio.insecure_channel(server.address) as channel:
             stub = pb_grpc.VllmEngineStub(channel)
@@ -43,13 +47,20 @@ async def test_killing_the_engine_core_mid_stream(figures) -> None:
                 await stream.read()
             _engine_core(server.process.pid).kill()
             killed = time.monotonic()
+            health = health_pb2_grpc.HealthStub(channel)
             codes = []
+            health_after_first_failure = None
             for stream in streams:
                 try:
                     await asyncio.wait_for(read_rest(stream), 10)
                     codes.append("OK")
                 except grpc.aio.AioRpcError as err:
                     codes.append(err.code().name)
+                    if health_after_first_failure is None:
+                        reply = await health.Check(health_pb2.HealthCheckRequest(), timeout=5)
+                        health_after_first_failure = reply.status
+            # A stream heard of the death: every health answer already had.
+            assert health_after_first_failure == health_pb2.HealthCheckResponse.NOT_SERVING
             ended_after = time.monotonic() - killed
             assert "UNAVAILABLE" in codes and set(codes) <= {"UNAVAILABLE", "OK"}, codes
             assert ended_after < 5, ended_after

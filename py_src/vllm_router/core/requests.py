@@ -21,6 +21,7 @@ from ..engine import AsyncEngine, Embedding, EngineStep, GenerationRequest
 from ..errors import (
     DuplicateRequest,
     EngineUnavailable,
+    InvalidRequest,
     NotConfigured,
     Overloaded,
     ServicerError,
@@ -241,14 +242,20 @@ class RequestTable:
             request = dataclasses.replace(request, prompt_token_ids=ids, prompt_text=None)
             field_name = "prompt_text (tokenized)"
         else:
-            field_name = "prompt_token_ids"
-        check_prompt(
-            request.prompt_token_ids or [],
-            request.sampling.max_tokens,
-            self._engine.facts,
-            max_prompt_tokens=self._max_prompt_tokens,
-            field_name=field_name,
-        )
+            field_name = request.prompt_field
+        try:
+            check_prompt(
+                request.prompt_token_ids or [],
+                None if request.fill_context else request.sampling.max_tokens,
+                self._engine.facts,
+                max_prompt_tokens=self._max_prompt_tokens,
+                field_name=field_name,
+            )
+        except InvalidRequest:
+            # vLLM validates sampling values before the prompt: a request wrong in both
+            # is told about its sampling (only failing requests pay for this check).
+            self._engine.check_sampling(request)
+            raise
         return request
 
     # -- drain ------------------------------------------------------------------------------------

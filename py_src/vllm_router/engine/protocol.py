@@ -46,6 +46,10 @@ class AsyncEngine(Protocol):
         """
         ...
 
+    def check_sampling(self, request: GenerationRequest) -> None:
+        """Raise InvalidRequest for sampling values the engine rejects, with its message."""
+        ...
+
     async def abort(self, request_id: str) -> None:
         """Stop a request; its stream then ends with finish_reason "abort"."""
         ...

@@ -94,6 +94,11 @@ class GenerationRequest:
     trace_headers: Mapping[str, str] | None = None
     # A KV connector's parameters for prefill/decode disaggregation, passed to vLLM as is.
     kv_transfer_params: Mapping[str, Any] | None = None
+    # A max_tokens beyond the room the prompt leaves in the context: True generates until the
+    # context is full (finish "length", as vLLM's --grpc server); False refuses the request.
+    fill_context: bool = False
+    # The contract's name for the prompt field, for the messages of the prompt checks.
+    prompt_field: str = "prompt_token_ids"
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,6 +158,13 @@ class ModelFacts:
     supports_lora: bool = False  # --enable-lora
     tokenizer_path: str = ""
     model_type: str = ""  # the Hugging Face config's model_type, e.g. "llama"
+    # Prefill/decode pairing: the KV connector, this worker's role in it and its engine id
+    # ("" without --kv-transfer-config), and the dtypes a pair must share.
+    kv_connector: str = ""
+    kv_role: str = ""
+    kv_engine_id: str = ""
+    kv_cache_dtype: str = ""
+    model_dtype: str = ""  # e.g. "torch.bfloat16"
 
 
 @dataclass(frozen=True, slots=True)

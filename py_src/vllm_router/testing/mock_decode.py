@@ -74,11 +74,9 @@ class SampleDecoder:
         self._vocab = facts.vocab_size
         self._eos = eos_token_id
         self._detokenize = detokenize
-        self._max_tokens = (
-            sampling.max_tokens
-            if sampling.max_tokens is not None
-            else facts.max_model_len - len(prompt)
-        )
+        # As vLLM's scheduler: a sample ends with "length" when the context is full.
+        room = facts.max_model_len - len(prompt)
+        self._max_tokens = room if sampling.max_tokens is None else min(sampling.max_tokens, room)
         self._matcher = StopStringMatcher(sampling.stop, bool(sampling.include_stop_str_in_output))
         bias = sampling.logit_bias or {}
         forced = sorted(t for t, b in bias.items() if b >= FORCE)

@@ -1,23 +1,22 @@
 """MockAsyncEngine: the engine protocol with no vLLM, for fast CPU tests and CI.
 
 Behaviour is deterministic so tests can state exact expectations:
-- token i of the output is (last prompt token + 1 + i) mod vocab_size, so a
-  prompt ending in eos_token_id - 3 stops on EOS after three tokens and a prompt
-  ending in vocab_size - 1 produces token 0 first;
-- a token's text is " <id>" (so the text of [5, 17] is " 5 17");
+- token i of the output is (last prompt token + 1 + i) mod vocab_size, so a prompt ending
+  in eos_token_id - 3 stops on EOS after three tokens and one ending in vocab_size - 1
+  produces token 0 first; a token's text is " <id>" (the text of [5, 17] is " 5 17");
 - text is "tokenized" as its UTF-8 bytes mod vocab_size, with no special tokens;
 - each step emits up to `tokens_per_step` tokens, `step_delay` seconds apart;
-- n samples, logit_bias of +100 / -100 and the `choice` constraint work as
-  mock_decode.py says; other new sampling fields, LoRA, embeddings and tokenizer
-  files are UNIMPLEMENTED (the message names the mock);
+- n samples, logit_bias of +100 / -100 and the `choice` constraint work as mock_decode.py
+  says; other new sampling fields, LoRA, embeddings and tokenizer files are UNIMPLEMENTED
+  (the message names the mock);
 - at most `max_num_seqs` requests run at once, the rest wait (visible in load());
 - a logprob is -0.5 for the sampled token and the j-th alternative is (id + j, -0.5 - j);
 - fault injection: `die_after_tokens` kills the engine, `fault_finish_reason` finishes
   every sample with vLLM's `error` or `repetition` after two tokens.
-Where it intentionally differs from vLLM: it checks only the sampling rules a
-request can reach it with (the server has already refused empty stop strings and
-prompts that do not fit), keeps no real KV cache (a prompt block is "cached" once
-seen, cache usage is tokens held / kv_cache_tokens), and never preempts.
+Where it intentionally differs from vLLM: it checks only the sampling rules a request can
+reach it with (the server has already refused empty stop strings and prompts that do not
+fit), keeps no real KV cache (a prompt block is "cached" once seen, cache usage is tokens
+held / kv_cache_tokens), and never preempts.
 """
 
 from __future__ import annotations
@@ -167,13 +166,15 @@ class MockAsyncEngine:
     async def start_profile(self) -> None:
         raise Unsupported("the mock engine has no profiler")
 
-    async def stop_profile(self) -> None:
-        raise Unsupported("the mock engine has no profiler")
+    stop_profile = start_profile
+
+    def check_sampling(self, request: GenerationRequest) -> None:
+        validate_sampling(request.sampling, request.detokenize)
+        check_supported(request.sampling)
 
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[EngineStep, None]:
         await self.check_health()
-        validate_sampling(request.sampling, request.detokenize)
-        check_supported(request.sampling)
+        self.check_sampling(request)
         if request.lora_name is not None:
             raise Unsupported(NO_LORA)
         if request.prompt_token_ids is None:

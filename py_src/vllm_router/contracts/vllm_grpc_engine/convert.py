@@ -3,8 +3,10 @@
 Semantics follow vLLM's own `--grpc` server, which the router was written against:
 every sampling field is explicit (an unset temperature is 1.0, a zero top_p or
 repetition_penalty means 1.0, n 0 means 1) — the router applies the model's
-generation defaults itself, from GetModelInfo — and text is produced only when stop
-strings need it (the contract carries token ids, not text).
+generation defaults itself, from GetModelInfo —, text is produced only when stop
+strings need it (the contract carries token ids, not text), a max_tokens past the
+context generates until the context is full (finish "length"), and a request wrong in
+both its sampling values and its prompt is told about the sampling values.
 """
 
 from __future__ import annotations
@@ -104,15 +106,14 @@ def to_generation_request(
 ) -> GenerationRequest:
     _refuse_media(request)
     params = request.sampling_params
-    source = request.WhichOneof("input")
     ids: list[int] | None = None
     text: str | None = None
-    if source == "tokenized" and request.tokenized.input_ids:
-        ids = _truncated(list(request.tokenized.input_ids), params, facts)
-    elif source == "text" and request.text:
+    if request.WhichOneof("input") == "text" and request.text:
         text = request.text
     else:
-        raise InvalidRequest("the prompt is empty: set tokenized.input_ids (or text)")
+        # An empty prompt is refused at admission, after the sampling values are checked:
+        # vLLM's server names a sampling error first.
+        ids = _truncated(list(request.tokenized.input_ids), params, facts)
     dp_rank = checked_dp_rank(
         request.data_parallel_rank if request.HasField("data_parallel_rank") else None,
         facts,
@@ -129,4 +130,7 @@ def to_generation_request(
         detokenize=bool(sampling.stop),
         trace_headers=trace,
         kv_transfer_params=kv_transfer_params(request),
+        # As vLLM's --grpc server: a max_tokens past the context generates until it is full.
+        fill_context=True,
+        prompt_field="tokenized.input_ids",
     )

@@ -137,6 +137,12 @@ def server_info(facts: ModelFacts, active: int, started: float) -> vpb.GetServer
         data_parallel_size=facts.dp_size,
         block_size=facts.block_size,
         max_num_seqs=facts.max_num_seqs,
+        # What the router pairs prefill and decode workers by.
+        kv_connector=facts.kv_connector,
+        kv_role=facts.kv_role,
+        kv_engine_id=facts.kv_engine_id,
+        kv_cache_dtype=facts.kv_cache_dtype,
+        model_dtype=facts.model_dtype,
     )
 
 

@@ -47,6 +47,7 @@ from .stats import LoadBoard, capture_engine_registry
 if TYPE_CHECKING:
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.inputs import TextPrompt, TokensPrompt
+    from vllm.sampling_params import SamplingParams
     from vllm.v1.engine.async_llm import AsyncLLM
 
 logger = logging.getLogger(__name__)
@@ -220,6 +221,22 @@ class VllmEngine:
             await outputs.aclose()
         raise RuntimeError("the engine ended the embedding request without a result")
 
+    def _sampling_params(self, request: GenerationRequest, prompt_len: int) -> SamplingParams:
+        try:
+            return build_sampling_params(
+                request.sampling,
+                model_defaults=self._model_defaults,
+                prompt_len=prompt_len,
+                max_model_len=self._max_model_len,
+                detokenize=request.detokenize,
+                kv_transfer_params=request.kv_transfer_params,
+            )
+        except Exception as exc:
+            reraise(exc)
+
+    def check_sampling(self, request: GenerationRequest) -> None:
+        self._sampling_params(request, len(request.prompt_token_ids or ()))
+
     def generate(self, request: GenerationRequest) -> AsyncGenerator[EngineStep, None]:
         # A plain method returning the steps' generator: no extra generator layer per
         # token; invalid parameters raise here, before the request reaches vLLM.
@@ -227,17 +244,7 @@ class VllmEngine:
         if ids is None:
             raise ValueError("VllmEngine.generate needs prompt_token_ids (tokenize text first)")
         options = request.sampling
-        try:
-            params = build_sampling_params(
-                options,
-                model_defaults=self._model_defaults,
-                prompt_len=len(ids),
-                max_model_len=self._max_model_len,
-                detokenize=request.detokenize,
-                kv_transfer_params=request.kv_transfer_params,
-            )
-        except Exception as exc:
-            reraise(exc)
+        params = self._sampling_params(request, len(ids))
         call = VllmCall(
             request_id=request.request_id,
             prompt=self._engine_prompt(ids),

@@ -49,6 +49,7 @@ def model_facts(llm: AsyncLLM, model_defaults: dict[str, Any]) -> ModelFacts:
     if generation_eos is not None:
         eos_ids.update([generation_eos] if isinstance(generation_eos, int) else generation_eos)
     served = model_config.served_model_name or model_config.model
+    kv = vllm_config.kv_transfer_config
     return ModelFacts(
         model_name=model_config.model,
         served_model_name=served if isinstance(served, str) else served[0],
@@ -69,4 +70,9 @@ def model_facts(llm: AsyncLLM, model_defaults: dict[str, Any]) -> ModelFacts:
         supports_lora=vllm_config.lora_config is not None,
         tokenizer_path=str(model_config.tokenizer),
         model_type=str(getattr(model_config.hf_config, "model_type", "") or ""),
+        kv_connector=str(getattr(kv, "kv_connector", "") or ""),
+        kv_role=str(getattr(kv, "kv_role", "") or ""),
+        kv_engine_id=str(getattr(kv, "engine_id", "") or ""),
+        kv_cache_dtype=str(vllm_config.cache_config.cache_dtype or ""),
+        model_dtype=str(model_config.dtype),
     )

@@ -1,0 +1,95 @@
+"""vLLM's contract as a drop-in for vLLM's own `--grpc` server (the router's e2e suite looks
+here): the same request to both workers (same model, engine flags) gets the same answer or
+the same status — a max_tokens past the context, and a request wrong in both its prompt and
+its sampling values. Real engine on both sides, streamed and not."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import grpc
+import pytest
+from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
+from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vpb_grpc
+
+from harness import Harness, real_engine_idle, wait_until
+from real_engine import MAX_MODEL_LEN
+
+pytestmark = pytest.mark.vllm
+
+PROMPT = [5, 17, 29, 41, 53, 65, 77]
+
+
+def _request(request_id: str, stream: bool, prompt: list[int] | None, **sampling: Any) -> Any:
+    message = vpb.GenerateRequest(
+        request_id=request_id, sampling_params=vpb.SamplingParams(**sampling), stream=stream
+    )
+    if prompt is not None:
+        message.tokenized.input_ids.extend(prompt)
+    return message
+
+
+async def _outcome(address: str, request: vpb.GenerateRequest) -> Any:
+    """What a router takes from the answer: every token, the completes, or the status."""
+    async with grpc.aio.insecure_channel(address) as channel:
+        try:
+            replies = [r async for r in vpb_grpc.VllmEngineStub(channel).Generate(request)]
+        except grpc.aio.AioRpcError as err:
+            return err.code().name, err.details()
+    tokens = [t for r in replies if r.HasField("chunk") for t in r.chunk.token_ids]
+    completes = [
+        (c.index, c.finish_reason, c.prompt_tokens, c.completion_tokens, list(c.output_ids))
+        for c in (r.complete for r in replies if r.HasField("complete"))
+    ]
+    chunk_tokens = sum(r.chunk.completion_tokens for r in replies if r.HasField("chunk"))
+    return tokens, chunk_tokens, completes
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "unary"])
+async def test_max_tokens_past_the_context_generates_until_it_is_full(
+    real: Harness, vllm_grpc_reference: str, stream: bool
+) -> None:
+    """OpenAI clients send a fixed large max_tokens: both workers fill the context, "length"."""
+    room = MAX_MODEL_LEN - len(PROMPT)
+    for max_tokens in (room + 1, 2048):
+        request = _request(
+            f"past-context-{max_tokens}", stream, PROMPT, max_tokens=max_tokens,
+            temperature=0.0, ignore_eos=True,
+        )  # fmt: skip
+        ours = await _outcome(real.address, request)
+        theirs = await _outcome(vllm_grpc_reference, request)
+        assert ours == theirs
+        tokens, chunk_tokens, completes = ours
+        _, reason, prompt_tokens, completion_tokens, output_ids = completes[-1]
+        assert (reason, prompt_tokens) == ("length", len(PROMPT))
+        if stream:
+            assert len(tokens) == chunk_tokens == room
+        else:
+            assert len(output_ids) == completion_tokens == room
+    await wait_until(lambda: real_engine_idle(real), what="nothing left running")
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "unary"])
+async def test_a_request_wrong_twice_is_told_about_its_sampling_values_first(
+    real: Harness, vllm_grpc_reference: str, stream: bool
+) -> None:
+    """vLLM's own test_generate_error_handling: no prompt and top_p=-33 names top_p."""
+    request = _request("wrong-twice", stream, None, temperature=0.0, max_tokens=10, top_p=-33)
+    ours = await _outcome(real.address, request)
+    theirs = await _outcome(vllm_grpc_reference, request)
+    assert ours[0] == theirs[0] == "INVALID_ARGUMENT"
+    assert "top_p must be in (0, 1], got -33.0" in ours[1]
+    assert "top_p must be in (0, 1], got -33.0" in theirs[1]
+    # Only the prompt wrong: a clear message naming the field (vLLM's server would instead
+    # generate from an empty prompt's BOS token; this worker refuses it).
+    empty = await _outcome(real.address, _request("empty", stream, None, max_tokens=4))
+    assert empty == ("INVALID_ARGUMENT", "the prompt is empty: tokenized.input_ids has no tokens")
+
+
+async def test_an_over_long_prompt_is_invalid_argument_on_both(
+    real: Harness, vllm_grpc_reference: str
+) -> None:
+    request = _request("too-long", True, [5] * (MAX_MODEL_LEN + 4), max_tokens=4)
+    ours = await _outcome(real.address, request)
+    theirs = await _outcome(vllm_grpc_reference, request)
+    assert ours[0] == theirs[0] == "INVALID_ARGUMENT"
