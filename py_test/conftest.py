@@ -152,6 +152,21 @@ def router_reference(vllm_grpc_reference: str) -> Iterator[str]:
         yield base
 
 
+@pytest_asyncio.fixture(scope="session", loop_scope="session")
+async def trained() -> AsyncIterator[Harness]:
+    """Our server over a real, trained model (SmolLM2-135M-Instruct on CPU, MODEL_PATH on a
+    CUDA node: `real_engine.real_model`), one per session for the e2e and real-model suites."""
+    real_engine.require_vllm()
+    model, flags = real_engine.real_model()
+    engine = real_engine.start_engine(model, flags)
+    config = ServerConfig(port=0, shutdown_grace_seconds=5.0)
+    harness = await start_harness(engine, config, Path(model))
+    try:
+        yield harness
+    finally:
+        await harness.close()
+
+
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def real_embed() -> AsyncIterator[Harness]:
     """Our server over a pooling (embedding) engine on the tiny model."""

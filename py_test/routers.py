@@ -1,10 +1,12 @@
-"""The real Rust router (SMG) and vLLM's own `--grpc` server as subprocesses, for e2e tests."""
+"""The real Rust router (SMG) and vLLM's own `--grpc` server as subprocesses, for e2e tests,
+and OpenAI requests through a router reduced to what a client relies on (for comparisons)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import json
+import os
 import subprocess
 import sys
 import time
@@ -12,6 +14,7 @@ import urllib.error
 import urllib.request
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 from vllm_router.testing.wait_serving import serving
 
@@ -20,6 +23,8 @@ from real_engine import ROOT, cli_flags
 from vllm_servers import START_TIMEOUT, free_port, stop_process_group
 
 ROUTER_VENV = ROOT / ".venv-router"
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
 
 
 def smg_path() -> str | None:
@@ -28,12 +33,20 @@ def smg_path() -> str | None:
 
 @contextlib.contextmanager
 def _running(
-    command: list[str], log: Path, ready: Callable[[], bool], what: str
+    command: list[str],
+    log: Path,
+    ready: Callable[[], bool],
+    what: str,
+    env: dict[str, str] | None = None,
 ) -> Iterator[subprocess.Popen]:
     """Run `command` (output to `log`) until the block ends; enter once `ready()` holds."""
     with open(log, "w") as out:
         process = subprocess.Popen(
-            command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            command,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, **(env or {})},
         )
         try:
             deadline = time.monotonic() + START_TIMEOUT
@@ -56,6 +69,11 @@ def _http_models_ready(base: str) -> bool:
         return False
 
 
+def _tokenizer_loaded(log: Path) -> bool:
+    text = log.read_text(errors="replace")
+    return "Successfully registered tokenizer" in text or "Successfully loaded tokenizer" in text
+
+
 @contextlib.contextmanager
 def vllm_grpc_server(model: Path, engine_flags: dict[str, object], log: Path) -> Iterator[str]:
     """vLLM's own gRPC launcher (what `vllm serve --grpc` runs); yields its address."""
@@ -64,7 +82,10 @@ def vllm_grpc_server(model: Path, engine_flags: dict[str, object], log: Path) ->
     command = [sys.executable, "-m", launcher, "--model", str(model), "--host", "127.0.0.1",
                "--port", str(port), *cli_flags(engine_flags)]  # fmt: skip
     address = f"127.0.0.1:{port}"
-    with _running(command, log, lambda: serving(address), "vLLM's gRPC server"):
+    # Its planned warm-up (~35k prompt tokens before SERVING) changes no output; off, it
+    # starts in seconds instead of minutes on a real model on these CPUs.
+    env = {"SMG_VLLM_SERVICER_WARMUP": "off"}
+    with _running(command, log, lambda: serving(address), "vLLM's gRPC server", env):
         yield address
 
 
@@ -79,7 +100,13 @@ def smg_router(workers: list[str], model: Path, log: Path, *extra: str) -> Itera
                "--backend", "vllm", "--prometheus-host", "127.0.0.1",
                "--prometheus-port", str(metrics_port), *extra]  # fmt: skip
     base = f"http://127.0.0.1:{port}"
-    with _running(command, log, lambda: _http_models_ready(base), "the smg router"):
+
+    def ready() -> bool:
+        # It lists the model before its tokenizer has loaded (in the background): until
+        # then chat answers 503 tokenizer_not_ready.
+        return _http_models_ready(base) and _tokenizer_loaded(log)
+
+    with _running(command, log, ready, "the smg router"):
         yield base
 
 
@@ -124,3 +151,62 @@ def openai_stream(base: str, path: str, body: dict) -> list[dict]:
             if line.startswith("data:") and line[5:].strip() != "[DONE]":
                 events.append(json.loads(line[5:]))
     return events
+
+
+def chat(content: str, **fields: Any) -> dict:
+    """A chat body with one user message."""
+    return {"messages": [{"role": "user", "content": content}], **fields}
+
+
+def _without_ids(tool_calls: list[dict] | None) -> list[dict] | None:
+    """Tool calls without their ids: the router draws a random `call_...` id for each."""
+    if tool_calls is None:
+        return None
+    return [{key: value for key, value in call.items() if key != "id"} for call in tool_calls]
+
+
+def normalized(path: str, status: int, body: dict) -> Any:
+    """What a client relies on: status, per-choice output and finish reason, usage, logprobs."""
+    if status != 200:
+        return status, body.get("error", {}).get("type"), body.get("error", {}).get("code")
+    choices = []
+    for choice in sorted(body["choices"], key=lambda c: c["index"]):
+        message = choice.get("message") or {}
+        choices.append(
+            (
+                choice["index"],
+                message.get("content") if path == CHAT else choice.get("text"),
+                json.dumps(_without_ids(message.get("tool_calls")), sort_keys=True)
+                if message
+                else None,
+                choice["finish_reason"],
+                json.dumps(choice.get("logprobs"), sort_keys=True),
+            )
+        )
+    usage = body.get("usage") or {}
+    return status, choices, (usage.get("prompt_tokens"), usage.get("completion_tokens"))
+
+
+def joined(path: str, events: list[dict]) -> Any:
+    """A streamed answer as what a client assembles: text and finish reason per choice."""
+    text: dict[int, str] = {}
+    finish: dict[int, str | None] = {}
+    usage = None
+    for event in events:
+        usage = event.get("usage") or usage
+        for choice in event.get("choices", []):
+            piece = (
+                (choice.get("delta") or {}).get("content") if path == CHAT else choice.get("text")
+            )
+            text[choice["index"]] = text.get(choice["index"], "") + (piece or "")
+            finish[choice["index"]] = choice.get("finish_reason") or finish.get(choice["index"])
+    counts = (usage.get("prompt_tokens"), usage.get("completion_tokens")) if usage else None
+    return sorted(text.items()), sorted(finish.items()), counts
+
+
+async def ask(base: str, path: str, body: dict, streamed: bool) -> Any:
+    if streamed:
+        body = {**body, "stream_options": {"include_usage": True}}
+        return joined(path, await asyncio.to_thread(openai_stream, base, path, body))
+    status, answer = await asyncio.to_thread(openai_post, base, path, body)
+    return normalized(path, status, answer)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
-from typing import Any
 from urllib.parse import urlparse
 
 import jsonschema
@@ -17,7 +16,7 @@ from vllm_router.proto import vllm_engine_pb2 as pb
 
 from harness import Harness, real_engine_idle, wait_until
 from real_engine import MAX_MODEL_LEN
-from routers import openai_post, openai_stream
+from routers import CHAT, COMPLETIONS, ask, chat
 
 pytestmark = pytest.mark.vllm
 
@@ -44,115 +43,55 @@ TOOLS = [
         },
     }
 ]
-CHAT = "/v1/chat/completions"
-COMPLETIONS = "/v1/completions"
-
-
-def _chat(content: str, **fields: Any) -> dict:
-    return {"messages": [{"role": "user", "content": content}], **fields}
 
 
 # name -> (path, body, streamed?)
 CASES: dict[str, tuple[str, dict, bool]] = {
-    "chat greedy": (CHAT, _chat("Hello worker", max_tokens=24, temperature=0), False),
-    "chat greedy streamed": (CHAT, _chat("Hello worker", max_tokens=24, temperature=0), True),
+    "chat greedy": (CHAT, chat("Hello worker", max_tokens=24, temperature=0), False),
+    "chat greedy streamed": (CHAT, chat("Hello worker", max_tokens=24, temperature=0), True),
     "completions greedy": (COMPLETIONS, {"prompt": "The router", "max_tokens": 24,
                                          "temperature": 0}, False),
     "completions streamed": (COMPLETIONS, {"prompt": "The router", "max_tokens": 24,
                                            "temperature": 0}, True),
-    "chat seeded": (CHAT, _chat("Tell me", max_tokens=24, temperature=0.8, seed=5), False),
+    "chat seeded": (CHAT, chat("Tell me", max_tokens=24, temperature=0.8, seed=5), False),
     "completions seeded": (COMPLETIONS, {"prompt": "Each step", "max_tokens": 24,
                                          "temperature": 0.9, "seed": 6}, False),
-    "chat n=2 seeded": (CHAT, _chat("Two ways", max_tokens=16, temperature=0.9, seed=7, n=2),
+    "chat n=2 seeded": (CHAT, chat("Two ways", max_tokens=16, temperature=0.9, seed=7, n=2),
                         False),
-    "chat n=2 seeded streamed": (CHAT, _chat("Two ways", max_tokens=16, temperature=0.9,
+    "chat n=2 seeded streamed": (CHAT, chat("Two ways", max_tokens=16, temperature=0.9,
                                              seed=7, n=2), True),
-    "chat logprobs": (CHAT, _chat("Scores", max_tokens=8, temperature=0, logprobs=True,
+    "chat logprobs": (CHAT, chat("Scores", max_tokens=8, temperature=0, logprobs=True,
                                   top_logprobs=3), False),
     "completions logprobs": (COMPLETIONS, {"prompt": "Scores", "max_tokens": 8,
                                            "temperature": 0, "logprobs": 2}, False),
-    "chat stop string": (CHAT, _chat("Hello worker", max_tokens=40, temperature=0,
+    "chat stop string": (CHAT, chat("Hello worker", max_tokens=40, temperature=0,
                                      stop=["e"]), False),
-    "chat max_tokens 1": (CHAT, _chat("One", max_tokens=1, temperature=0), False),
-    "chat json schema": (CHAT, _chat("Plan a trip", max_tokens=60, temperature=0,
+    "chat max_tokens 1": (CHAT, chat("One", max_tokens=1, temperature=0), False),
+    "chat json schema": (CHAT, chat("Plan a trip", max_tokens=60, temperature=0,
                                      response_format={"type": "json_schema", "json_schema":
                                                       {"name": "trip", "schema": SCHEMA}}), False),
-    "chat json_object": (CHAT, _chat("Any JSON", max_tokens=40, temperature=0,
+    "chat json_object": (CHAT, chat("Any JSON", max_tokens=40, temperature=0,
                                      response_format={"type": "json_object"}), False),
-    "chat tools required": (CHAT, _chat("Weather in Paris?", max_tokens=160, temperature=0,
+    "chat tools required": (CHAT, chat("Weather in Paris?", max_tokens=160, temperature=0,
                                         tools=TOOLS, tool_choice="required"), False),
-    "prompt over the context window": (CHAT, _chat("word " * 400, max_tokens=8), False),
+    "prompt over the context window": (CHAT, chat("word " * 400, max_tokens=8), False),
     # OpenAI clients send a fixed large max_tokens: generated until the context is full.
-    "chat max_tokens past the context": (CHAT, _chat("Hello worker", max_tokens=2048,
+    "chat max_tokens past the context": (CHAT, chat("Hello worker", max_tokens=2048,
                                                      temperature=0, ignore_eos=True), False),
     "chat max_tokens past the context streamed with stop": (
-        CHAT, _chat("Hello worker", max_tokens=2048, temperature=0, stop=["zq"]), True),
+        CHAT, chat("Hello worker", max_tokens=2048, temperature=0, stop=["zq"]), True),
     "completions max_tokens past the context": (COMPLETIONS, {"prompt": "The router",
                                                               "max_tokens": 2048,
                                                               "temperature": 0,
                                                               "ignore_eos": True}, False),
     # Tool calling with sampling, seeded so both workers must give the same outcome.
-    "chat tools required seeded": (CHAT, _chat("Weather in Rome?", max_tokens=2048,
+    "chat tools required seeded": (CHAT, chat("Weather in Rome?", max_tokens=2048,
                                                temperature=0.8, seed=11, tools=TOOLS,
                                                tool_choice="required"), False),
-    "chat tools auto seeded": (CHAT, _chat("Weather in Paris?", max_tokens=2048,
+    "chat tools auto seeded": (CHAT, chat("Weather in Paris?", max_tokens=2048,
                                            temperature=0.7, seed=12, tools=TOOLS,
                                            tool_choice="auto"), False),
 }  # fmt: skip
-
-
-def _without_ids(tool_calls: list[dict] | None) -> list[dict] | None:
-    """Tool calls without their ids: the router draws a random `call_...` id for each."""
-    if tool_calls is None:
-        return None
-    return [{key: value for key, value in call.items() if key != "id"} for call in tool_calls]
-
-
-def _normalized(path: str, status: int, body: dict) -> Any:
-    """What a client relies on: status, per-choice output and finish reason, usage, logprobs."""
-    if status != 200:
-        return status, body.get("error", {}).get("type"), body.get("error", {}).get("code")
-    choices = []
-    for choice in sorted(body["choices"], key=lambda c: c["index"]):
-        message = choice.get("message") or {}
-        choices.append(
-            (
-                choice["index"],
-                message.get("content") if path == CHAT else choice.get("text"),
-                json.dumps(_without_ids(message.get("tool_calls")), sort_keys=True)
-                if message
-                else None,
-                choice["finish_reason"],
-                json.dumps(choice.get("logprobs"), sort_keys=True),
-            )
-        )
-    usage = body.get("usage") or {}
-    return status, choices, (usage.get("prompt_tokens"), usage.get("completion_tokens"))
-
-
-def _joined(path: str, events: list[dict]) -> Any:
-    """A streamed answer as what a client assembles: text and finish reason per choice."""
-    text: dict[int, str] = {}
-    finish: dict[int, str | None] = {}
-    usage = None
-    for event in events:
-        usage = event.get("usage") or usage
-        for choice in event.get("choices", []):
-            piece = (
-                (choice.get("delta") or {}).get("content") if path == CHAT else choice.get("text")
-            )
-            text[choice["index"]] = text.get(choice["index"], "") + (piece or "")
-            finish[choice["index"]] = choice.get("finish_reason") or finish.get(choice["index"])
-    counts = (usage.get("prompt_tokens"), usage.get("completion_tokens")) if usage else None
-    return sorted(text.items()), sorted(finish.items()), counts
-
-
-async def _ask(base: str, path: str, body: dict, streamed: bool) -> Any:
-    if streamed:
-        body = {**body, "stream_options": {"include_usage": True}}
-        return _joined(path, await asyncio.to_thread(openai_stream, base, path, body))
-    status, answer = await asyncio.to_thread(openai_post, base, path, body)
-    return _normalized(path, status, answer)
 
 
 async def test_router_answers_are_identical_through_ours_and_vllm_grpc(
@@ -163,8 +102,8 @@ async def test_router_answers_are_identical_through_ours_and_vllm_grpc(
     answers = {}
     for name, (path, body, streamed) in CASES.items():
         body = {"model": model, **body}
-        ours = answers[name] = await _ask(router_ours, path, body, streamed)
-        theirs = await _ask(router_reference, path, body, streamed)
+        ours = answers[name] = await ask(router_ours, path, body, streamed)
+        theirs = await ask(router_reference, path, body, streamed)
         if ours != theirs:
             mismatches.append(f"{name}:\n  ours   {ours}\n  theirs {theirs}")
         else:
@@ -198,9 +137,9 @@ async def test_router_answers_are_identical_through_ours_and_vllm_grpc(
 async def test_128_concurrent_requests_through_the_router(
     real: Harness, router_ours: str, router_reference: str
 ) -> None:
-    body = {"model": str(real.model_dir), **_chat("Many at once", max_tokens=16, temperature=0)}
-    reference = await _ask(router_reference, CHAT, body, False)
-    answers = await asyncio.gather(*(_ask(router_ours, CHAT, body, False) for _ in range(128)))
+    body = {"model": str(real.model_dir), **chat("Many at once", max_tokens=16, temperature=0)}
+    reference = await ask(router_reference, CHAT, body, False)
+    answers = await asyncio.gather(*(ask(router_ours, CHAT, body, False) for _ in range(128)))
     assert all(answer == reference for answer in answers)
     await wait_until(lambda: real_engine_idle(real), 10.0, "the engine to be idle")
 
@@ -213,7 +152,7 @@ async def test_client_disconnect_mid_stream_leaves_nothing_running(
     host = url.hostname
     assert host is not None
     body = {"model": str(real.model_dir), "stream": True, "ignore_eos": True,
-            **_chat("Keep going", max_tokens=200, temperature=0)}  # fmt: skip
+            **chat("Keep going", max_tokens=200, temperature=0)}  # fmt: skip
 
     def start_and_drop() -> None:
         connection = http.client.HTTPConnection(host, url.port, timeout=30)

@@ -86,7 +86,11 @@ async def generate(worker: WorkerClient, args: argparse.Namespace) -> int:
     prompt: str | list[int] = args.prompt
     if args.token_ids:
         prompt = [int(token) for token in args.prompt.replace(",", " ").split()]
-    prompt = await worker.encode_prompt(prompt)  # tokenizing is not the worker's time
+    # Tokenizing (and rendering a chat) is not the worker's time.
+    if args.chat:
+        prompt = await worker.chat_prompt([{"role": "user", "content": args.prompt}])
+    else:
+        prompt = await worker.encode_prompt(prompt)
     started = time.perf_counter()
     first: float | None = None
     text: list[str] = []
@@ -211,7 +215,13 @@ def parser() -> argparse.ArgumentParser:
     gen = command("generate", "stream a completion of PROMPT to the terminal")
     gen.add_argument("prompt", help="text (tokenized with the worker's tokenizer) or, with "
                                     "--token-ids, ids like '1,2,3'")  # fmt: skip
-    gen.add_argument("--token-ids", action="store_true", help="PROMPT is token ids")
+    form = gen.add_mutually_exclusive_group()
+    form.add_argument("--token-ids", action="store_true", help="PROMPT is token ids")
+    form.add_argument(
+        "--chat",
+        action="store_true",
+        help="PROMPT is a user message, rendered with the model's chat template",
+    )
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float)
     gen.add_argument("--top-p", type=float)

@@ -178,6 +178,18 @@ class WorkerClient:
         """Token ids as the worker would make them (special tokens added, as vLLM does)."""
         return list((await self.tokenizer()).encode(text))
 
+    async def chat_prompt(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        """Token ids of a chat rendered with the model's own chat template (as a router
+        renders it), ending with the assistant's turn."""
+        tokenizer = await self.tokenizer()
+        if not getattr(tokenizer, "chat_template", None):
+            raise UnsupportedError(grpc.StatusCode.UNIMPLEMENTED, "the model has no chat template")
+        rendered = tokenizer.apply_chat_template(
+            list(messages), add_generation_prompt=True, tokenize=False
+        )
+        # The template writes the special tokens itself.
+        return list(tokenizer.encode(rendered, add_special_tokens=False))
+
     async def encode_prompt(self, prompt: str | Sequence[int]) -> str | list[int]:
         """The prompt as the worker should get it: token ids, or the text itself when the
         worker has no tokenizer files to share (it then tokenizes the text)."""

@@ -83,6 +83,7 @@ def build_real_model(directory: Path) -> Path:
     try:
         _convert(source, staging)
         (staging / FINGERPRINT_FILE).write_text(fingerprint)
+        staging.chmod(0o755)  # mkdtemp makes it owner-only
         if directory.exists():
             shutil.rmtree(directory)
         os.replace(staging, directory)  # readers never see half a folder

@@ -28,6 +28,19 @@ from ...engine import (
 TOKENIZER_CHUNK_BYTES = 64 * 1024
 
 
+def _top(entry: TokenLogprob) -> tuple[list[int], list[float]]:
+    """The k most likely tokens in vLLM's server's order: the chosen token first when it
+    is among them (as vLLM's own map lists it), then by rank. vLLM's server takes the
+    first k map entries, which drops the k-th best when the chosen token is not among the
+    k most likely; here the k most likely are always the ones sent."""
+    top = list(entry.top)
+    for i, (token_id, _) in enumerate(top):
+        if token_id == entry.token_id:
+            top.insert(0, top.pop(i))
+            break
+    return [t for t, _ in top], [lp for _, lp in top]
+
+
 def output_logprobs(entries: list[TokenLogprob] | None, num_top: int) -> vpb.OutputLogProbs | None:
     if not entries:
         return None
@@ -36,9 +49,8 @@ def output_logprobs(entries: list[TokenLogprob] | None, num_top: int) -> vpb.Out
     )
     if num_top > 0:
         for entry in entries:
-            message.top_logprobs.add(
-                token_ids=[t for t, _ in entry.top], values=[lp for _, lp in entry.top]
-            )
+            token_ids, values = _top(entry)
+            message.top_logprobs.add(token_ids=token_ids, values=values)
     return message
 
 
@@ -51,9 +63,8 @@ def input_logprobs(entries: list[TokenLogprob] | None, num_top: int) -> vpb.Inpu
         if not math.isnan(entry.logprob):  # the first prompt token has none
             value.value = entry.logprob
         if num_top > 0:
-            message.top_logprobs.add(
-                token_ids=[t for t, _ in entry.top], values=[lp for _, lp in entry.top]
-            )
+            token_ids, values = _top(entry)
+            message.top_logprobs.add(token_ids=token_ids, values=values)
     return message
 
 
