@@ -1,10 +1,10 @@
 """The request table: every generation request in flight on this worker, whatever contract.
 
-It owns the one request-id space (duplicates are ALREADY_EXISTS), the admission
-limits, the drain (refuse new work, wait for idle, abort the rest), the watchdog
-that aborts streams whose client stopped reading, and the engine call itself, so
-every contract's handler is: convert, `async with table.run(request) as flight`, convert
-each of `flight.messages(...)` / `flight.steps()` back.
+It owns the one request-id space (duplicates are ALREADY_EXISTS), the admission limits,
+the drain (refuse new work, wait for idle, abort the rest), the watchdog that aborts
+streams whose client stopped reading, and the engine call itself, so every contract's
+handler is: convert, `async with table.run(request) as flight`, convert each of
+`flight.messages(...)` / `flight.steps()` back.
 """
 
 from __future__ import annotations
@@ -80,7 +80,8 @@ class Flight:
 
         The generator resumes once gRPC has sent a message; a client that stops reading
         keeps it suspended at the yield, which the stall watchdog sees
-        (`RequestTable.watch_stalled_streams`).
+        (`RequestTable.watch_stalled_streams`). It reads the engine's steps itself, not
+        through `steps()`: one async-generator layer less per token.
         """
         assert self._engine_steps is not None, "the flight has not started in the engine"
         async for step in self._engine_steps:
@@ -147,9 +148,8 @@ class RequestTable:
     async def run(self, request: GenerationRequest) -> AsyncIterator[Flight]:
         """Admit `request`, start it in the engine and yield its Flight (see its steps).
 
-        Leaving the block (finished, cancelled, failed) closes the engine's
-        iterator, which aborts the request in the engine if it is still running.
-        """
+        Leaving the block (finished, cancelled, failed) closes the engine's iterator,
+        which aborts the request in the engine if it is still running."""
         async with self._rejections_counted():
             if not self._engine.facts.is_generation:
                 raise NotConfigured(
