@@ -165,3 +165,28 @@ async def test_model_info_new_fields(start_mock: StartServer) -> None:
     assert info.is_generation and info.max_num_seqs == 7
     assert json.loads(info.default_sampling_params_json) == {}
     assert not info.HasField("bos_token_id") and list(info.lora_adapters) == []
+
+
+async def test_get_loads_per_rank_on_a_data_parallel_mock(start_mock: StartServer) -> None:
+    harness = await start_mock(step_delay=0.02, dp_size=2)
+    pinned = request([10], max_tokens=500)
+    pinned.dp_rank = 1
+    stream = harness.stub.GenerateStream(pinned)
+    await stream.read()
+    loads = await harness.stub.GetLoads(pb.GetLoadsRequest())
+    assert [(r.dp_rank, r.running_requests) for r in loads.ranks] == [(0, 0), (1, 1)]
+    stream.cancel()
+
+
+def test_a_rank_that_has_not_reported_is_unknown_never_idle() -> None:
+    from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
+
+    from vllm_router.contracts.vllm_engine_v1 import responses as ours
+    from vllm_router.contracts.vllm_grpc_engine import responses as theirs
+    from vllm_router.engine import RankLoad
+
+    ranks = [RankLoad(0, 3, 1, 0.5, 1_700_000_000.0), RankLoad(1, 0, 0, 0.0, None)]
+    reply = ours.loads(ranks, in_flight=4)
+    assert [r.HasField("measured_at") for r in reply.ranks] == [True, False]
+    official: vpb.GetLoadsResponse = theirs.loads(ranks, 8, "v")
+    assert [load.dp_rank for load in official.loads] == [0]  # left out, not sent as idle

@@ -56,6 +56,8 @@ async def loads(worker: WorkerClient, args: argparse.Namespace) -> int:
     lines = [
         f"rank {r.dp_rank}: {r.running_requests} running, {r.waiting_requests} waiting, "
         f"KV cache {r.kv_cache_usage_percent:.1f}% (at {r.measured_at.ToJsonString()})"
+        if r.HasField("measured_at")
+        else f"rank {r.dp_rank}: not reported yet (figures unknown)"
         for r in reply.ranks
     ]
     lines.append(f"requests in flight on this worker: {reply.requests_in_flight}")

@@ -169,13 +169,17 @@ class ModelFacts:
 
 @dataclass(frozen=True, slots=True)
 class RankLoad:
-    """One data-parallel rank's scheduler figures, and when they were taken (unix time)."""
+    """One data-parallel rank's scheduler figures, and when they were taken (unix time).
+
+    `measured_at` None: the rank has reported nothing yet; its figures are unknown (the
+    zeros are placeholders), never to be read as an idle rank.
+    """
 
     dp_rank: int
     running_requests: int
     waiting_requests: int
     kv_cache_usage: float  # fraction, 0..1
-    measured_at: float
+    measured_at: float | None
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,7 +22,6 @@ held / kv_cache_tokens), and never preempts.
 from __future__ import annotations
 
 import asyncio
-import time
 from collections import deque
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
@@ -44,6 +43,7 @@ from ..engine.types import FinishReason
 from ..errors import EngineDead, InvalidRequest, Unsupported
 from .mock_config import MockConfig
 from .mock_decode import SampleDecoder, cached_prefix, check_supported, every_interval
+from .mock_load import load_of, rank_loads
 from .mock_sampling import mock_logprobs, validate_sampling
 
 NO_LORA = "the mock engine has no LoRA adapters"
@@ -100,13 +100,7 @@ class MockAsyncEngine:
         return self._dead is not None
 
     def load(self) -> LoadSnapshot:
-        running = [r for r in self._requests.values() if r.running]
-        used = sum(len(r.prompt) + r.generated for r in running)
-        return LoadSnapshot(
-            running_requests=len(running),
-            waiting_requests=len(self._requests) - len(running),
-            kv_cache_usage=min(1.0, used / self.config.kv_cache_tokens),
-        )
+        return load_of(self._requests.values(), self.config.kv_cache_tokens)
 
     async def check_health(self) -> None:
         if self._dead is not None:
@@ -137,12 +131,8 @@ class MockAsyncEngine:
             await self.abort(request_id)
 
     def loads(self) -> list[RankLoad]:
-        load = self.load()
-        return [
-            RankLoad(
-                0, load.running_requests, load.waiting_requests, load.kv_cache_usage, time.time()
-            )
-        ]
+        held = self._requests.values()
+        return rank_loads(held, self.config.kv_cache_tokens, self._facts.dp_size)
 
     async def embed(self, request_id: str, prompt_token_ids: list[int]) -> Embedding:
         raise Unsupported("the mock engine serves no pooling model (no embeddings)")

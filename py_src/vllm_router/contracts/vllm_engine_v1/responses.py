@@ -151,7 +151,8 @@ def loads(ranks: list[RankLoad], in_flight: int) -> pb.GetLoadsResponse:
             waiting_requests=rank.waiting_requests,
             kv_cache_usage_percent=rank.kv_cache_usage * 100.0,
         )
-        entry.measured_at.FromNanoseconds(int(rank.measured_at * 1e9))
+        if rank.measured_at is not None:  # unset: not reported yet, figures unknown
+            entry.measured_at.FromNanoseconds(int(rank.measured_at * 1e9))
     return message
 
 

@@ -158,6 +158,8 @@ def server_info(facts: ModelFacts, active: int, started: float) -> vpb.GetServer
 
 
 def loads(ranks: list[RankLoad], max_running: int, version: str) -> vpb.GetLoadsResponse:
+    """Every rank that has reported figures: one that has not is left out rather than
+    sent as idle (the message has no way to say "unknown")."""
     return vpb.GetLoadsResponse(
         timestamp=datetime.now(timezone.utc).isoformat(),
         version=version,
@@ -173,6 +175,7 @@ def loads(ranks: list[RankLoad], max_running: int, version: str) -> vpb.GetLoads
                 max_running_requests=max_running,
             )
             for r in ranks
+            if r.measured_at is not None
         ],
     )
 

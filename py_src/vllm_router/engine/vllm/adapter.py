@@ -160,6 +160,7 @@ class VllmEngine:
         return kv_event_batches(
             config,
             getattr(config, "topic", "") or "",
+            dp_size=self._facts.dp_size,
             vllm_bind_rule=KV_EVENT_ENDPOINT in self.features,
         )
 

@@ -75,20 +75,24 @@ def _event(event: Any) -> KvBlocksStored | KvBlocksRemoved | KvCacheCleared:
 
 
 async def kv_event_batches(
-    config: Any, topic: str = "", *, vllm_bind_rule: bool = True
+    config: Any, topic: str = "", *, dp_size: int = 1, vllm_bind_rule: bool = True
 ) -> AsyncGenerator[KvEventBatch, None]:
-    """Batches from the publisher of DP rank 0, from now on, until the consumer stops."""
+    """Batches from every DP rank's publisher (one SUB socket connected to each; a batch
+    names its rank), from now on, until the consumer stops."""
     import msgspec
     import zmq
     import zmq.asyncio
     from vllm.distributed.kv_events import KVEventBatch as VllmBatch
 
-    endpoint = zmq_endpoint(config, vllm_bind_rule=vllm_bind_rule)
+    endpoints = [
+        zmq_endpoint(config, rank, vllm_bind_rule=vllm_bind_rule) for rank in range(dp_size)
+    ]
     decoder = msgspec.msgpack.Decoder(type=VllmBatch)
     context = zmq.asyncio.Context.instance()
     socket = context.socket(zmq.SUB)
     try:
-        socket.connect(endpoint)
+        for endpoint in endpoints:
+            socket.connect(endpoint)
         socket.setsockopt_string(zmq.SUBSCRIBE, topic)
         while True:
             _, sequence, payload = await socket.recv_multipart()

