@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 import itertools
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import TypeAlias
 
 import grpc
@@ -42,45 +42,47 @@ class VllmGrpcServicer(ContractServicer, vpb_grpc.VllmEngineServicer):
         trace = trace_headers(context.invocation_metadata())
         generation = convert.to_generation_request(request, self._engine.facts, trace)
         sampling = generation.sampling
-        num_top = max(sampling.logprobs or 0, 0)
-        num_prompt_top = max(sampling.prompt_logprobs or 0, 0)
+        tops = (max(sampling.logprobs or 0, 0), max(sampling.prompt_logprobs or 0, 0))
         async with self._requests.run(generation) as flight:
-            if not request.stream:
-                result = RequestResult()
-                async for step in flight.steps():
-                    result.add(step)
-                flight.answering()  # the whole answer, below
-            else:
-                prompt: list[TokenLogprob] | None = None
-                seen: set[int] = set()
-
-                def render(step: EngineStep) -> list[vpb.GenerateResponse]:
-                    nonlocal prompt
-                    if step.prompt_logprobs is not None:
-                        prompt = step.prompt_logprobs
-                    first = step.index not in seen
-                    seen.add(step.index)
-                    chunk = responses.chunk(
-                        step, num_top, prompt if first else None, num_prompt_top
-                    )
-                    if not step.finished:
-                        return [chunk]
-                    # As vLLM's --grpc server: the last step's tokens again, the router
-                    # takes finish reason, matched stop and logprobs from here.
-                    return [chunk, responses.complete(
-                        step, step.token_ids, step.logprobs, num_top, prompt, num_prompt_top,
-                        self._eos,
-                    )]  # fmt: skip
-
-                async for message in flight.messages(render):
+            if request.stream:
+                async for message in flight.messages(self._stream_renderer(*tops)):
                     yield message
                 return
+            result = RequestResult()
+            async for step in flight.steps():
+                result.add(step)
+            flight.answering()  # the whole answer, below
+        num_top, num_prompt_top = tops
         for _, sample in result.in_order():
             assert sample.last is not None
             yield responses.complete(
                 sample.last, sample.token_ids, sample.logprobs, num_top,
                 result.prompt_logprobs, num_prompt_top, self._eos,
             )  # fmt: skip
+
+    def _stream_renderer(
+        self, num_top: int, num_prompt_top: int
+    ) -> Callable[[EngineStep], list[vpb.GenerateResponse]]:
+        """A chunk per step (prompt logprobs on each sample's first), and after a sample's
+        finished chunk its complete: as vLLM's --grpc server, the last step's tokens again,
+        from which the router takes the finish reason, matched stop and logprobs."""
+        prompt: list[TokenLogprob] | None = None
+        seen: set[int] = set()
+
+        def render(step: EngineStep) -> list[vpb.GenerateResponse]:
+            nonlocal prompt
+            if step.prompt_logprobs is not None:
+                prompt = step.prompt_logprobs
+            first = step.index not in seen
+            seen.add(step.index)
+            chunk = responses.chunk(step, num_top, prompt if first else None, num_prompt_top)
+            if not step.finished:
+                return [chunk]
+            return [chunk, responses.complete(
+                step, step.token_ids, step.logprobs, num_top, prompt, num_prompt_top, self._eos
+            )]  # fmt: skip
+
+        return render
 
     @handles_errors
     async def Embed(self, request: vpb.EmbedRequest, context: Context) -> vpb.EmbedResponse:
