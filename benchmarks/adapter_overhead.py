@@ -2,7 +2,7 @@
 through `VllmEngine.generate` on its two output paths, alternated; best and median of each.
 
 `lean` takes a request's tokens from vLLM's OutputProcessor without RequestOutputs
-(engine/vllm_lean.py); `vllm` reads AsyncLLM.generate's RequestOutputs. The engine core
+(engine/vllm/lean.py); `vllm` reads AsyncLLM.generate's RequestOutputs. The engine core
 runs in its own process and is not counted; both paths share this process's engine.
 """
 

@@ -1,4 +1,4 @@
-"""Lean outputs (engine/vllm_lean.py) on the real engine: the same steps as vLLM's
+"""Lean outputs (engine/vllm/lean.py) on the real engine: the same steps as vLLM's
 RequestOutput path, request for request; the path is taken only where it may be; a
 request left early or aborted is gone from the engine; vLLM's own statistics still count
 every token and finish."""

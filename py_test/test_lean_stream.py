@@ -9,7 +9,8 @@ from typing import Any
 
 import pytest
 
-from vllm_router.engine.vllm.lean import LeanStream, finish_of
+from vllm_router.engine.vllm.lean import LeanStream
+from vllm_router.engine.vllm.params import finish_of
 
 
 class Detokenizer:

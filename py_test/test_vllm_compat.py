@@ -55,7 +55,7 @@ def test_a_mismatch_or_a_failing_check_turns_only_its_feature_off(
         compat.TouchPoint("fake.three", "feature C", "the public path", lambda llm: None),
     )
     with caplog.at_level(logging.WARNING, logger=compat.__name__):
-        features = compat.check(object(), points)
+        features = compat.check_touch_points(object(), points)
     assert features == {"feature C"}
     lines = [r.getMessage() for r in caplog.records if "touch point" in r.getMessage()]
     assert len(lines) == 2

@@ -56,7 +56,7 @@ class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
     """Unparsable request bytes -> INVALID_ARGUMENT, for every unary-request method."""
 
     def __init__(self, decorated_services: tuple[str, ...]) -> None:
-        # Services whose handlers wear rpc.handles_errors and answer Malformed themselves.
+        # Services whose handlers wear core.handles_errors and answer Malformed themselves.
         self._decorated = tuple(f"/{name}/" for name in decorated_services)
 
     async def intercept_service(

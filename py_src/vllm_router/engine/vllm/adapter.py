@@ -32,9 +32,7 @@ from .compat import (
     LEAN_OUTPUTS,
     RENDER,
     TOKENIZE,
-)
-from .compat import (
-    check as check_touch_points,
+    check_touch_points,
 )
 from .facts import model_facts, read_tokenizer_files
 from .generate import VllmCall, lean_steps, request_output_steps

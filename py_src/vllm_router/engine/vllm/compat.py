@@ -3,7 +3,7 @@
 The adapter speaks vLLM's public API (`AsyncLLM.generate`, `abort`, `check_health`,
 `SamplingParams`, ...) and, for speed or for facts that API does not give, a few
 internals. Each internal is a `TouchPoint` below: what it is, the feature that needs
-it, and the public path that feature falls back to. `check(llm)` looks at each one
+it, and the public path that feature falls back to. `check_touch_points(llm)` looks at each one
 (attributes, the attributes a constructor assigns, `inspect.signature`), logs one line
 per mismatch and returns the features that may run; the worker always keeps serving.
 The suite ran on the versions in `CHECKED_VERSIONS`; another version only adds a log
@@ -32,6 +32,9 @@ KV_EVENT_ENDPOINT = "KV event endpoint check"
 LOAD_FIGURES = "load figures"
 TOKENIZE = "text prompt tokenization"
 RENDER = "prompt rendering"
+
+# The public path lean outputs fall back to.
+GENERATE_PATH = "every request through AsyncLLM.generate"
 
 # What RequestState.make_request_output takes; LeanStream's handler takes the same.
 MAKE_REQUEST_OUTPUT_PARAMS = (
@@ -162,13 +165,13 @@ class TouchPoint:
 
 TOUCH_POINTS = (
     TouchPoint("RequestState.make_request_output and its attributes", LEAN_OUTPUTS,
-               "every request through AsyncLLM.generate", _make_request_output),
+               GENERATE_PATH, _make_request_output),
     TouchPoint("OutputProcessor.request_states", LEAN_OUTPUTS,
-               "every request through AsyncLLM.generate", _request_states),
+               GENERATE_PATH, _request_states),
     TouchPoint("AsyncLLM.add_request / abort(internal=) / RequestOutputCollector", LEAN_OUTPUTS,
-               "every request through AsyncLLM.generate", _add_request),
+               GENERATE_PATH, _add_request),
     TouchPoint("IncrementalDetokenizer.get_next_output_text", LEAN_OUTPUTS,
-               "every request through AsyncLLM.generate", _detokenizer),
+               GENERATE_PATH, _detokenizer),
     TouchPoint("prometheus_client REGISTRY._collector_to_names", ENGINE_SERIES,
                "/metrics forwards the whole process registry", _collector_to_names),
     TouchPoint("ZmqEventPublisher._is_bind_endpoint / offset_endpoint_port", KV_EVENT_ENDPOINT,
@@ -187,7 +190,9 @@ def _version_checked(version: str) -> bool:
     return base in CHECKED_VERSIONS
 
 
-def check(llm: Any, touch_points: tuple[TouchPoint, ...] = TOUCH_POINTS) -> frozenset[str]:
+def check_touch_points(
+    llm: Any, touch_points: tuple[TouchPoint, ...] = TOUCH_POINTS
+) -> frozenset[str]:
     """The features whose touch points all match this vLLM (one log line per mismatch)."""
     import vllm
 

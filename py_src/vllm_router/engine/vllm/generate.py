@@ -1,7 +1,7 @@
 """One generation on vLLM's AsyncLLM -> EngineSteps, on one of two output paths.
 
 `request_output_steps` reads vLLM's RequestOutputs (`AsyncLLM.generate`): every
-request can take it. `lean_steps` reads a `LeanStream` (vllm_lean.py) for requests that
+request can take it. `lean_steps` reads a `LeanStream` (lean.py) for requests that
 need neither logprobs nor several samples: the same tokens, text and finish, without a
 RequestOutput per step. Both end with the request gone from the engine: finished,
 aborted when the consumer leaves early, or failed with the engine.
@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..types import EngineStep, SamplingOptions
-from .lean import LeanStream, finish_of
-from .params import convert_logprobs, convert_prompt_logprobs, reraise
+from .lean import LeanStream
+from .params import convert_logprobs, convert_prompt_logprobs, finish_of, reraise
 
 if TYPE_CHECKING:
     from vllm.sampling_params import SamplingParams

@@ -21,7 +21,8 @@ import asyncio
 import logging
 from typing import Any
 
-from ..types import FINISH_REASONS, EngineStep, FinishReason, SamplingOptions
+from ..types import EngineStep, SamplingOptions
+from .params import finish_of
 
 logger = logging.getLogger(__name__)
 
@@ -29,28 +30,6 @@ logger = logging.getLogger(__name__)
 def lean_eligible(options: SamplingOptions, samples: int) -> bool:
     """Requests whose outputs carry nothing a RequestOutput adds over a LeanStream."""
     return samples == 1 and options.logprobs is None and options.prompt_logprobs is None
-
-
-def finish_of(
-    finish_reason: Any, stop_reason: int | str | None, last_token: int | None, error: Any = None
-) -> tuple[FinishReason | None, int | str | None, str | None]:
-    """vLLM's finish (enum or string) as (reason, matched stop, error message).
-
-    A request that ended on EOS reports that EOS id as its match; only a `stop` finish
-    has a match (vLLM gives `repetition` the stop reason "repetition_detected"). A
-    reason this worker does not know is an `error`, so it can never pass for an answer.
-    """
-    if finish_reason is None:
-        return None, None, None
-    name = str(finish_reason)
-    if name == "stop":
-        return "stop", last_token if stop_reason is None else stop_reason, None
-    if name not in FINISH_REASONS:
-        return "error", None, f"vLLM finished the request with an unknown reason {name!r}"
-    if name == "error":
-        detail = getattr(error, "message", None) or "vLLM gave no detail"
-        return "error", None, detail
-    return name, None, None  # type: ignore[return-value]
 
 
 class LeanStream:

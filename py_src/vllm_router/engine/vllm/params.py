@@ -1,4 +1,5 @@
-"""Conversions between the neutral types and vLLM's: sampling params, logprobs, errors.
+"""Conversions between the neutral types and vLLM's: sampling params, logprobs, finish
+reasons, errors.
 
 vLLM is imported inside the functions, so this module imports without vLLM.
 """
@@ -11,7 +12,14 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from ...errors import EngineDead, InvalidRequest, Overloaded, RequestFailed
-from ..types import NEUTRAL_DEFAULT, SamplingOptions, StructuredOutputs, TokenLogprob
+from ..types import (
+    FINISH_REASONS,
+    NEUTRAL_DEFAULT,
+    FinishReason,
+    SamplingOptions,
+    StructuredOutputs,
+    TokenLogprob,
+)
 
 if TYPE_CHECKING:
     from vllm.sampling_params import SamplingParams
@@ -122,6 +130,28 @@ def convert_prompt_logprobs(
     """vLLM's prompt logprobs (None for the first position) -> one entry per prompt token."""
     entries = convert_logprobs(prompt_ids[1:], list(positions or ())[1:], num_top)
     return [TokenLogprob(prompt_ids[0], math.nan), *entries] if prompt_ids else []
+
+
+def finish_of(
+    finish_reason: Any, stop_reason: int | str | None, last_token: int | None, error: Any = None
+) -> tuple[FinishReason | None, int | str | None, str | None]:
+    """vLLM's finish (enum or string) as (reason, matched stop, error message).
+
+    A request that ended on EOS reports that EOS id as its match; only a `stop` finish
+    has a match (vLLM gives `repetition` the stop reason "repetition_detected"). A
+    reason this worker does not know is an `error`, so it can never pass for an answer.
+    """
+    if finish_reason is None:
+        return None, None, None
+    name = str(finish_reason)
+    if name == "stop":
+        return "stop", last_token if stop_reason is None else stop_reason, None
+    if name not in FINISH_REASONS:
+        return "error", None, f"vLLM finished the request with an unknown reason {name!r}"
+    if name == "error":
+        detail = getattr(error, "message", None) or "vLLM gave no detail"
+        return "error", None, detail
+    return name, None, None  # type: ignore[return-value]
 
 
 def translate_error(exc: Exception) -> Exception:
