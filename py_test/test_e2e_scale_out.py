@@ -22,6 +22,20 @@ def _handled(worker: servers.ServerProcess) -> int:
     return sum("prompt tokens, n=" in line for line in worker.log)
 
 
+async def _gained(workers: list, before: list[int], expected: int) -> list[int]:
+    """Requests each worker admitted since `before`, once all `expected` are logged.
+
+    The router answers before the worker's log line has necessarily been read
+    from its pipe, so the count is awaited, not sampled (bounded: 10 s).
+    """
+    for _ in range(100):
+        gained = [_handled(w) - b for w, b in zip(workers, before, strict=True)]
+        if sum(gained) >= expected:
+            break
+        await asyncio.sleep(0.1)
+    return gained
+
+
 async def _chat(base: str, model: str, content: str) -> tuple[int, dict]:
     body = {"model": model, "messages": [{"role": "user", "content": content}],
             "max_tokens": 4, "temperature": 0}  # fmt: skip
@@ -55,7 +69,7 @@ async def _scenario(base: str, model: str, workers: list, figures) -> None:
     prompts = [f"Topic {i} " * (i % 5 + 1) for i in range(24)]
     answers = await asyncio.gather(*(_chat(base, model, p) for p in prompts))
     assert all(status == 200 for status, _ in answers)
-    spread = [_handled(w) for w in workers]
+    spread = await _gained(workers, [0, 0], 24)
     assert min(spread) > 0, spread
 
     # 2. A long shared prefix: every follow-up lands where the prefix is cached.
@@ -70,7 +84,7 @@ async def _scenario(base: str, model: str, workers: list, figures) -> None:
         status, answer = await _chat(base, model, prefix + f"Follow-up {i}.")
         assert status == 200
         cached.append(answer["usage"]["prompt_tokens_details"]["cached_tokens"])
-    gained = [_handled(w) - b for w, b in zip(workers, before, strict=True)]
+    gained = await _gained(workers, before, 7)
     assert sorted(gained) == [0, 7], gained
     assert min(cached) > 0, cached
 
