@@ -63,6 +63,9 @@ _BY_CODE: dict[grpc.StatusCode, type[WorkerError]] = {
 
 def from_rpc_error(error: grpc.aio.AioRpcError) -> WorkerError:
     """The typed error for a failed call."""
-    code = error.code()
-    details = error.details() or code.name
-    return _BY_CODE.get(code, WorkerError)(code, details)
+    return from_status(error.code(), error.details() or "")
+
+
+def from_status(code: grpc.StatusCode, details: str) -> WorkerError:
+    """The typed error for a status (of a call, or of one request on a batched stream)."""
+    return _BY_CODE.get(code, WorkerError)(code, details or code.name)

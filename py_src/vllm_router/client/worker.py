@@ -24,6 +24,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from ..defaults import DEFAULT_ADDRESS, DEFAULT_MAX_MESSAGE_BYTES
 from ..proto import vllm_engine_pb2 as pb
 from ..proto import vllm_engine_pb2_grpc as pb_grpc
+from .batch import BatchStream
 from .errors import UnsupportedError, from_rpc_error
 from .tokenizer import cached_tokenizer, fetch_files, load_tokenizer
 
@@ -198,7 +199,11 @@ class WorkerClient:
         return await self.tokenize(prompt) if await self._tokenizer_digest() else prompt
 
     async def _request(
-        self, prompt: str | Sequence[int], request_id: str, skip_detokenize: bool, sampling: Any
+        self,
+        prompt: str | Sequence[int],
+        request_id: str,
+        skip_detokenize: bool,
+        sampling: dict[str, Any],
     ) -> pb.GenerateRequest:
         request = pb.GenerateRequest(
             request_id=request_id,
@@ -248,3 +253,7 @@ class WorkerClient:
             raise from_rpc_error(exc) from None
         finally:
             call.cancel()  # no-op once finished; otherwise the worker stops decoding
+
+    def batch(self, *, timeout: float | None = None) -> BatchStream:
+        """One GenerateBatch stream for many requests (`async with`; see client.batch)."""
+        return BatchStream(self._stub, self._request, self._metadata, timeout)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 
+import grpc
+
 from ...core.accumulate import RequestResult, SampleResult
 from ...engine import (
     Embedding,
@@ -56,6 +58,14 @@ def raise_if_failed(step: EngineStep) -> None:
             f"the engine failed this request: {step.error or 'no detail given'}; "
             "retry on another worker"
         )
+
+
+def request_error(
+    request_id: str, code: grpc.StatusCode, message: str, refused: bool
+) -> pb.RequestError:
+    return pb.RequestError(
+        request_id=request_id, code=code.value[0], message=message, refused=refused
+    )
 
 
 def stream_message(

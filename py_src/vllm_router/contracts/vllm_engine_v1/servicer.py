@@ -7,16 +7,18 @@ to status codes.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import asyncio
+from collections.abc import AsyncIterator, Mapping
 from typing import TypeAlias
 
 import grpc
 
-from ...core import ContractServicer, handles_errors
+from ...core import ContractServicer, Malformed, handles_errors
 from ...core.accumulate import RequestResult
+from ...core.batching import BatchSession
 from ...core.request_fields import checked_request_id, trace_headers
 from ...engine import EngineStep, GenerationRequest, LoadSnapshot
-from ...errors import InvalidRequest, Unsupported
+from ...errors import InvalidRequest, ServicerError, Unsupported
 from ...proto import vllm_engine_pb2 as pb
 from ...proto import vllm_engine_pb2_grpc as pb_grpc
 from . import convert, responses
@@ -24,6 +26,7 @@ from .rules import tokenizer_digest
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["VllmEngine"].full_name
 Context: TypeAlias = grpc.aio.ServicerContext
+Session: TypeAlias = BatchSession[pb.GenerateStreamResponse, pb.RequestError]
 
 
 class VllmEngineServicer(ContractServicer, pb_grpc.VllmEngineServicer):
@@ -55,6 +58,84 @@ class VllmEngineServicer(ContractServicer, pb_grpc.VllmEngineServicer):
         async with self._requests.run(generation) as flight:
             async for message in flight.messages(render):
                 yield message
+
+    @handles_errors
+    async def GenerateBatch(
+        self, requests: AsyncIterator[pb.BatchRequest | Malformed], context: Context
+    ) -> AsyncIterator[pb.BatchResponse]:
+        session: Session = BatchSession(
+            self._requests,
+            self._state,
+            self._batch_update,
+            responses.request_error,
+            self._count_batched,
+        )
+        trace = trace_headers(context.invocation_metadata())
+        reader = asyncio.create_task(self._read_batch(requests, session, trace))
+        try:
+            while True:
+                taken = session.outbox.take()
+                if taken is None:
+                    if reader.done() and not session.running:
+                        reader.result()  # a failure reading the stream is the RPC's
+                        return
+                    await session.outbox.wait()
+                    continue
+                updates, errors, sent = taken
+                yield pb.BatchResponse(updates=updates, errors=errors)
+                sent.set()
+        finally:
+            reader.cancel()
+            await session.close()
+
+    async def _read_batch(
+        self,
+        requests: AsyncIterator[pb.BatchRequest | Malformed],
+        session: Session,
+        trace: Mapping[str, str] | None,
+    ) -> None:
+        try:
+            async for item in requests:
+                if isinstance(item, Malformed):
+                    message = item.invalid().message
+                    session.fail("", grpc.StatusCode.INVALID_ARGUMENT, message, refused=True)
+                    continue
+                action = item.WhichOneof("action")
+                if action == "abort":
+                    await session.abort(list(item.abort.request_ids))
+                elif action == "generate":
+                    request_id = item.generate.request_id
+                    try:
+                        if not request_id:
+                            raise InvalidRequest(
+                                "generate.request_id is empty: on GenerateBatch every request "
+                                "needs an id (its answers carry it)"
+                            )
+                        generation = convert.to_generation_request(
+                            item.generate, self._engine.facts, trace
+                        )
+                    except ServicerError as exc:
+                        session.fail(request_id, exc.code, exc.message, refused=True)
+                        continue
+                    session.start(request_id, generation, item.timeout_ms / 1000)
+                else:
+                    message = "a BatchRequest must set generate or abort"
+                    session.fail("", grpc.StatusCode.INVALID_ARGUMENT, message, refused=True)
+        finally:
+            session.outbox.poke()  # the sender checks whether the stream is done
+
+    def _count_batched(self, code: grpc.StatusCode) -> None:
+        # Each request on a GenerateBatch stream is counted as an RPC of its own would be.
+        if self.core.metrics is not None:
+            labels = (SERVICE_NAME, "GenerateBatch:request", code.name)
+            self.core.metrics.requests.labels(*labels).inc()
+
+    def _batch_update(
+        self, request_id: str, step: EngineStep, first: bool
+    ) -> pb.GenerateStreamResponse:
+        responses.raise_if_failed(step)
+        metrics = self._worker_metrics() if first or step.finished else None
+        return responses.stream_message(request_id, step, metrics)
 
     @handles_errors
     async def Generate(self, request: pb.GenerateRequest, context: Context) -> pb.GenerateResponse:

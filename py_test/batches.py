@@ -1,0 +1,89 @@
+"""Helpers of the GenerateBatch tests: build requests, feed a stream, read what it says."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import defaultdict
+from collections.abc import AsyncIterator
+from typing import TypeAlias
+
+import grpc
+
+from vllm_router.proto import vllm_engine_pb2 as pb
+
+from harness import request
+
+Call: TypeAlias = grpc.aio.StreamStreamCall
+
+
+def generate(
+    prompt: list[int], request_id: str, timeout_ms: int = 0, **sampling: object
+) -> pb.BatchRequest:
+    return pb.BatchRequest(generate=request(prompt, request_id, **sampling), timeout_ms=timeout_ms)
+
+
+class Answers:
+    """What one GenerateBatch stream said, per request."""
+
+    def __init__(self) -> None:
+        self.updates: dict[str, list[pb.GenerateStreamResponse]] = defaultdict(list)
+        # Admitted requests that ended in an error, and requests refused before admission.
+        self.errors: dict[str, pb.RequestError] = {}
+        self.refused: list[pb.RequestError] = []
+        self.messages = 0
+        self.per_message: list[int] = []  # updates in each message
+
+    def take(self, message: pb.BatchResponse) -> None:
+        self.messages += 1
+        self.per_message.append(len(message.updates))
+        for update in message.updates:
+            assert update.request_id not in self.errors, "an update after the request's error"
+            self.updates[update.request_id].append(update)
+        for error in message.errors:
+            if error.refused:
+                self.refused.append(error)
+            else:
+                self.errors[error.request_id] = error
+
+    def refusal(self, request_id: str) -> pb.RequestError:
+        (only,) = [e for e in self.refused if e.request_id == request_id]
+        return only
+
+    def tokens(self, request_id: str) -> list[int]:
+        return [t for u in self.updates[request_id] for t in u.token_ids]
+
+    def last(self, request_id: str) -> pb.GenerateStreamResponse:
+        return self.updates[request_id][-1]
+
+    def ended(self, request_id: str) -> bool:
+        if request_id in self.errors:
+            return True
+        updates = self.updates.get(request_id) or []
+        return bool(updates) and updates[-1].is_finished
+
+
+async def read_all(call: Call, answers: Answers) -> None:
+    """Read to the end (with read(): a call may not mix it with iteration)."""
+    while (message := await call.read()) is not grpc.aio.EOF:
+        answers.take(message)
+
+
+async def until_ended(call: Call, answers: Answers, *request_ids: str) -> None:
+    while not all(answers.ended(r) for r in request_ids):
+        message = await call.read()
+        assert message is not grpc.aio.EOF, "the stream ended early"
+        answers.take(message)
+
+
+class Requests:
+    """The client side of a stream fed as a test goes: `put` messages, `put(None)` half-closes."""
+
+    def __init__(self) -> None:
+        self._queue: asyncio.Queue[pb.BatchRequest | None] = asyncio.Queue()
+
+    async def put(self, item: pb.BatchRequest | None) -> None:
+        await self._queue.put(item)
+
+    async def stream(self) -> AsyncIterator[pb.BatchRequest]:
+        while (item := await self._queue.get()) is not None:
+            yield item
