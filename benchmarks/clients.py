@@ -60,6 +60,37 @@ def ours(address: str, workload: Workload) -> tuple[Callable[[], Awaitable[None]
     return worker.close, one
 
 
+def ours_batched(
+    address: str, workload: Workload
+) -> tuple[Callable[[], Awaitable[None]], OneRequest]:
+    """Ours, every request on one GenerateBatch stream (as a router multiplexes them)."""
+    from vllm_router.client import WorkerClient
+
+    worker = WorkerClient(address, timeout=None)
+    batch: list[Any] = []  # opened on first use, inside the running loop
+
+    async def one(i: int, prompt: list[int], record: Record) -> None:
+        if not batch:
+            batch.append(worker.batch())
+        stream = batch[0].stream(
+            prompt,
+            skip_detokenize=workload.skip_detokenize,
+            temperature=workload.temperature,
+            max_tokens=workload.output_len,
+            ignore_eos=True,
+            seed=i,
+        )
+        async for message in stream:
+            record.message(len(message.token_ids))
+
+    async def close() -> None:
+        if batch:
+            await batch[0].close()
+        await worker.close()
+
+    return close, one
+
+
 def vllm_grpc(address: str, workload: Workload) -> tuple[Callable[[], Awaitable[None]], OneRequest]:
     """vLLM's own --grpc launcher (smg-grpc-servicer), its own proto."""
     from smg_grpc_proto import vllm_engine_pb2 as spb

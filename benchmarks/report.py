@@ -72,10 +72,20 @@ def table(results: list[dict], order: tuple[str, ...]) -> str:
 
 # (what, numerator target, denominator target, metric, target ratio, "<=" or ">=")
 TARGET_RATIOS = [
-    ("CPU/token ours vs vllm-grpc", "ours", "vllm-grpc", "cpu_us_per_token", 0.8, "<="),
+    ("CPU/token ours vs vllm-grpc", "ours", "vllm-grpc", "cpu_us_per_token", 0.5, "<="),
+    ("CPU/token ours-batched vs smg-rust", "ours-batched", "smg-rust", "cpu_us_per_token", 1.5,
+     "<="),
+    ("CPU/token ours-batched vs vllm-rs", "ours-batched", "vllm-rs", "cpu_us_per_token", 1.2,
+     "<="),
+    ("tokens/s ours-batched vs smg-rust", "ours-batched", "smg-rust", "tokens_per_s", 0.9, ">="),
+    ("tokens/s ours-batched vs vllm-rs", "ours-batched", "vllm-rs", "tokens_per_s", 0.9, ">="),
     ("CPU/token ours vs vllm-http", "ours", "vllm-http", "cpu_us_per_token", 0.6, "<="),
     ("CPU/token ours vs ours-vllm-outputs", "ours", "ours-vllm-outputs", "cpu_us_per_token",
      None, ""),
+    ("CPU/token ours-batched vs ours", "ours-batched", "ours", "cpu_us_per_token", None, ""),
+    ("CPU/token ours-batched vs vllm-grpc", "ours-batched", "vllm-grpc", "cpu_us_per_token",
+     None, ""),
+    ("tokens/s ours-batched vs ours", "ours-batched", "ours", "tokens_per_s", None, ""),
     ("CPU/token ours-si4 vs vllm-grpc", "ours-si4", "vllm-grpc", "cpu_us_per_token", 0.4, "<="),
     ("CPU/token ours-si4 vs vllm-grpc-si4", "ours-si4", "vllm-grpc-si4", "cpu_us_per_token",
      None, ""),

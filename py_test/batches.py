@@ -18,8 +18,10 @@ Call: TypeAlias = grpc.aio.StreamStreamCall
 
 def generate(
     prompt: list[int], request_id: str, timeout_ms: int = 0, **sampling: object
-) -> pb.BatchRequest:
-    return pb.BatchRequest(generate=request(prompt, request_id, **sampling), timeout_ms=timeout_ms)
+) -> pb.GenerateBatchRequest:
+    return pb.GenerateBatchRequest(
+        generate=request(prompt, request_id, **sampling), timeout_ms=timeout_ms
+    )
 
 
 class Answers:
@@ -33,7 +35,7 @@ class Answers:
         self.messages = 0
         self.per_message: list[int] = []  # updates in each message
 
-    def take(self, message: pb.BatchResponse) -> None:
+    def take(self, message: pb.GenerateBatchResponse) -> None:
         self.messages += 1
         self.per_message.append(len(message.updates))
         for update in message.updates:
@@ -79,11 +81,11 @@ class Requests:
     """The client side of a stream fed as a test goes: `put` messages, `put(None)` half-closes."""
 
     def __init__(self) -> None:
-        self._queue: asyncio.Queue[pb.BatchRequest | None] = asyncio.Queue()
+        self._queue: asyncio.Queue[pb.GenerateBatchRequest | None] = asyncio.Queue()
 
-    async def put(self, item: pb.BatchRequest | None) -> None:
+    async def put(self, item: pb.GenerateBatchRequest | None) -> None:
         await self._queue.put(item)
 
-    async def stream(self) -> AsyncIterator[pb.BatchRequest]:
+    async def stream(self) -> AsyncIterator[pb.GenerateBatchRequest]:
         while (item := await self._queue.get()) is not None:
             yield item

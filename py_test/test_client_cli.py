@@ -80,6 +80,10 @@ async def test_commands_against_the_mock(mock: Harness) -> None:
     rc, out, _ = await client(*at, "--json", "bench", "-n", "6", "-c", "3", "--max-tokens", "4")
     summary = json.loads(out)
     assert (summary["succeeded"], summary["output_tokens"]) == (6, 24)
+    batched = ("--json", "bench", "--batched", "-n", "8", "-c", "4", "--max-tokens", "4")
+    rc, out, _ = await client(*at, *batched)
+    summary = json.loads(out)
+    assert (rc, summary["succeeded"], summary["output_tokens"]) == (0, 8, 32)
 
 
 async def test_abort_of_a_running_request(mock: Harness) -> None:

@@ -52,7 +52,7 @@ async def test_a_bad_request_fails_alone_and_the_stream_goes_on(start_mock: Star
         generate([10], "good", max_tokens=2),  # in flight
         generate([1, 2, 3, 4, 5], "long", max_tokens=2),  # over --max-prompt-tokens
         generate([10], "bad-sampling", max_tokens=2, temperature=-1.0),
-        pb.BatchRequest(),  # no action
+        pb.GenerateBatchRequest(),  # no action
     ):
         await outgoing.put(bad)
     await outgoing.put(generate([20], "after", max_tokens=3))
@@ -82,7 +82,7 @@ async def test_every_refusal_is_told_with_its_code(start_mock: StartServer) -> N
             generate([10], "dup", max_tokens=20),
             generate([10], "dup", max_tokens=2),
             generate([10], "", max_tokens=2),
-            pb.BatchRequest(),
+            pb.GenerateBatchRequest(),
         ]
     )
     answers = Answers()
@@ -110,7 +110,9 @@ async def test_abort_by_id_ends_that_request_only(start_mock: StartServer) -> No
     while not (answers.updates.get("stop-me") and answers.updates.get("keep")):
         answers.take(await call.read())
     # Ids of other streams are not this stream's to abort.
-    await outgoing.put(pb.BatchRequest(abort=pb.AbortRequest(request_ids=["stop-me", "elsewhere"])))
+    await outgoing.put(
+        pb.GenerateBatchRequest(abort=pb.AbortRequest(request_ids=["stop-me", "elsewhere"]))
+    )
     await until_ended(call, answers, "stop-me", "keep")
     assert answers.last("stop-me").finish_reason == "abort"
     assert answers.last("keep").finish_reason == "length"
@@ -164,7 +166,7 @@ async def test_unparsable_bytes_fail_that_message_only(mock: Harness) -> None:
     raw = mock.channel.stream_stream(
         "/vllm.engine.v1.VllmEngine/GenerateBatch",
         request_serializer=lambda b: b,
-        response_deserializer=pb.BatchResponse.FromString,
+        response_deserializer=pb.GenerateBatchResponse.FromString,
     )
     good = generate([10], "fine", max_tokens=3).SerializeToString()
     call = raw([b"\xff\xff\xff", good])

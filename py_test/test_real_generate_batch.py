@@ -77,7 +77,7 @@ async def test_an_abort_on_the_stream_ends_that_request_as_abort(real: Harness) 
     await outgoing.put(generate([6, 7, 8], "whole", max_tokens=30, ignore_eos=True))
     while not (answers.updates.get("cut") and answers.updates.get("whole")):
         answers.take(await call.read())
-    await outgoing.put(pb.BatchRequest(abort=pb.AbortRequest(request_ids=["cut"])))
+    await outgoing.put(pb.GenerateBatchRequest(abort=pb.AbortRequest(request_ids=["cut"])))
     await outgoing.put(None)
     await read_all(call, answers)
     assert answers.last("cut").finish_reason == "abort"

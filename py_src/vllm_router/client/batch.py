@@ -5,7 +5,7 @@
             ...
 
 Requests started on one BatchStream share one HTTP/2 stream and get one message per
-engine step for all of them (see the proto's BatchRequest); each `stream(...)` iterator
+engine step for all of them (see the proto's GenerateBatchRequest); each `stream(...)` iterator
 sees only its own request's messages, exactly those GenerateStream would send, and
 raises its own request's error as the `WorkerError` GenerateStream would have raised.
 Leaving an iterator early aborts that request; closing the BatchStream aborts all.
@@ -45,13 +45,13 @@ class BatchStream:
     ) -> None:
         """`timeout` bounds the whole stream (every request on it); None: no bound."""
         self._build = build
-        self._outgoing: asyncio.Queue[pb.BatchRequest | None] = asyncio.Queue()
+        self._outgoing: asyncio.Queue[pb.GenerateBatchRequest | None] = asyncio.Queue()
         self._inboxes: dict[str, Inbox] = {}
         self._ended: WorkerError | None = None
         self._call = stub.GenerateBatch(self._requests(), metadata=metadata, timeout=timeout)
         self._reader = asyncio.create_task(self._read(), name="batch-reader")
 
-    async def _requests(self) -> AsyncIterator[pb.BatchRequest]:
+    async def _requests(self) -> AsyncIterator[pb.GenerateBatchRequest]:
         while (item := await self._outgoing.get()) is not None:
             yield item
 
@@ -109,7 +109,7 @@ class BatchStream:
         inbox: Inbox = asyncio.Queue()
         self._inboxes[request_id] = inbox
         timeout_ms = max(1, round(timeout * 1000)) if timeout else 0
-        self._outgoing.put_nowait(pb.BatchRequest(generate=request, timeout_ms=timeout_ms))
+        self._outgoing.put_nowait(pb.GenerateBatchRequest(generate=request, timeout_ms=timeout_ms))
         samples = max(1, request.sampling_params.n) if request.sampling_params.HasField("n") else 1
         finished = 0
         try:
@@ -123,7 +123,7 @@ class BatchStream:
             del self._inboxes[request_id]
             if finished < samples and self._ended is None:
                 abort = pb.AbortRequest(request_ids=[request_id])
-                self._outgoing.put_nowait(pb.BatchRequest(abort=abort))
+                self._outgoing.put_nowait(pb.GenerateBatchRequest(abort=abort))
 
     async def close(self) -> None:
         """No more requests; wait for the ones running (cancel them all if interrupted)."""

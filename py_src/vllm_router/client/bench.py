@@ -42,21 +42,24 @@ async def run(
     prompt_tokens: int,
     max_tokens: int,
     stream_interval: int = 1,
+    batched: bool = False,
     progress: Any = None,
 ) -> dict[str, Any]:
-    """Run the load; returns the summary (what `summary_rows` prints)."""
+    """Run the load; returns the summary (what `summary_rows` prints). `batched`: every
+    request on one GenerateBatch stream instead of a GenerateStream each."""
     vocab = (await worker.model_info()).vocab_size
     extra: dict[str, Any] = {"stream_interval": stream_interval} if stream_interval > 1 else {}
     rng = random.Random(0)
     prompts = [[rng.randrange(1, vocab) for _ in range(prompt_tokens)] for _ in range(requests)]
     timings = [Timing() for _ in range(requests)]
     queue = iter(range(requests))
+    batch = worker.batch() if batched else None
 
     async def one(i: int) -> None:
         timing = timings[i]
         timing.start = last = time.perf_counter()
         try:
-            stream = worker.stream(
+            stream = (batch or worker).stream(
                 prompts[i],
                 skip_detokenize=True,
                 max_tokens=max_tokens,
@@ -83,7 +86,11 @@ async def run(
             await one(i)
 
     started = time.perf_counter()
-    await asyncio.gather(*(lane() for _ in range(concurrency)))
+    try:
+        await asyncio.gather(*(lane() for _ in range(concurrency)))
+    finally:
+        if batch is not None:
+            await batch.close()
     wall = time.perf_counter() - started
     done = [t for t in timings if t.error is None]
     tokens = sum(t.tokens for t in timings)

@@ -147,6 +147,7 @@ async def run_bench(worker: WorkerClient, args: argparse.Namespace) -> int:
             prompt_tokens=args.prompt_tokens,
             max_tokens=args.max_tokens,
             stream_interval=args.stream_interval,
+            batched=args.batched,
             progress=progress,
         )
     finally:
@@ -239,6 +240,11 @@ def parser() -> argparse.ArgumentParser:
     load.add_argument("--prompt-tokens", type=int, default=32)
     load.add_argument("--max-tokens", type=int, default=64)
     load.add_argument("--stream-interval", type=int, default=1, help="a message every N tokens")
+    load.add_argument(
+        "--batched",
+        action="store_true",
+        help="every request on one GenerateBatch stream (as a router multiplexes them)",
+    )
     return top
 
 

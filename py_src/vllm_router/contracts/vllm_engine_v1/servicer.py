@@ -61,8 +61,8 @@ class VllmEngineServicer(ContractServicer, pb_grpc.VllmEngineServicer):
 
     @handles_errors
     async def GenerateBatch(
-        self, requests: AsyncIterator[pb.BatchRequest | Malformed], context: Context
-    ) -> AsyncIterator[pb.BatchResponse]:
+        self, requests: AsyncIterator[pb.GenerateBatchRequest | Malformed], context: Context
+    ) -> AsyncIterator[pb.GenerateBatchResponse]:
         session: Session = BatchSession(
             self._requests,
             self._state,
@@ -82,7 +82,7 @@ class VllmEngineServicer(ContractServicer, pb_grpc.VllmEngineServicer):
                     await session.outbox.wait()
                     continue
                 updates, errors, sent = taken
-                yield pb.BatchResponse(updates=updates, errors=errors)
+                yield pb.GenerateBatchResponse(updates=updates, errors=errors)
                 sent.set()
         finally:
             reader.cancel()
@@ -90,7 +90,7 @@ class VllmEngineServicer(ContractServicer, pb_grpc.VllmEngineServicer):
 
     async def _read_batch(
         self,
-        requests: AsyncIterator[pb.BatchRequest | Malformed],
+        requests: AsyncIterator[pb.GenerateBatchRequest | Malformed],
         session: Session,
         trace: Mapping[str, str] | None,
     ) -> None:
@@ -119,7 +119,7 @@ class VllmEngineServicer(ContractServicer, pb_grpc.VllmEngineServicer):
                         continue
                     session.start(request_id, generation, item.timeout_ms / 1000)
                 else:
-                    message = "a BatchRequest must set generate or abort"
+                    message = "a GenerateBatchRequest must set generate or abort"
                     session.fail("", grpc.StatusCode.INVALID_ARGUMENT, message, refused=True)
         finally:
             session.outbox.poke()  # the sender checks whether the stream is done
