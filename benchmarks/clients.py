@@ -63,30 +63,59 @@ def ours(address: str, workload: Workload) -> tuple[Callable[[], Awaitable[None]
 def ours_batched(
     address: str, workload: Workload
 ) -> tuple[Callable[[], Awaitable[None]], OneRequest]:
-    """Ours, every request on one GenerateBatch stream (as a router multiplexes them)."""
-    from vllm_router.client import WorkerClient
+    """Ours, every request on one GenerateBatch stream, read as a router would: one reader
+    hands each update to its request's record (no per-request stream objects, so the
+    client's own CPU stays out of the engine's way, as with the other targets' clients)."""
+    from vllm_router.proto import vllm_engine_pb2 as pb
+    from vllm_router.proto import vllm_engine_pb2_grpc as pb_grpc
 
-    worker = WorkerClient(address, timeout=None)
-    batch: list[Any] = []  # opened on first use, inside the running loop
+    channel = grpc.aio.insecure_channel(address)
+    stub = pb_grpc.VllmEngineStub(channel)
+    outgoing: asyncio.Queue[Any] = asyncio.Queue()
+    waiting: dict[str, tuple[Record, asyncio.Future[None]]] = {}
+    reader: list[asyncio.Task[None]] = []  # started on first use, inside the running loop
+
+    async def requests() -> AsyncIterator[Any]:
+        while (item := await outgoing.get()) is not None:
+            yield item
+
+    async def read(call: Any) -> None:
+        async for message in call:
+            for update in message.updates:
+                record, done = waiting[update.request_id]
+                record.message(len(update.token_ids))
+                if update.is_finished:
+                    del waiting[update.request_id]
+                    done.set_result(None)
+            for error in message.errors:
+                _, done = waiting.pop(error.request_id)
+                done.set_exception(RuntimeError(f"{error.code}: {error.message}"))
 
     async def one(i: int, prompt: list[int], record: Record) -> None:
-        if not batch:
-            batch.append(worker.batch())
-        stream = batch[0].stream(
-            prompt,
+        if not reader:
+            reader.append(asyncio.create_task(read(stub.GenerateBatch(requests()))))
+        request_id = f"bench-{i}-{time.monotonic_ns()}"
+        done = asyncio.get_running_loop().create_future()
+        waiting[request_id] = (record, done)
+        request = pb.GenerateRequest(
+            request_id=request_id,
+            prompt_token_ids=prompt,
             skip_detokenize=workload.skip_detokenize,
-            temperature=workload.temperature,
-            max_tokens=workload.output_len,
-            ignore_eos=True,
-            seed=i,
+            sampling_params=pb.SamplingParams(
+                temperature=workload.temperature,
+                max_tokens=workload.output_len,
+                ignore_eos=True,
+                seed=i,
+            ),
         )
-        async for message in stream:
-            record.message(len(message.token_ids))
+        outgoing.put_nowait(pb.GenerateBatchRequest(generate=request))
+        await done
 
     async def close() -> None:
-        if batch:
-            await batch[0].close()
-        await worker.close()
+        outgoing.put_nowait(None)
+        if reader:
+            await reader[0]
+        await channel.close()
 
     return close, one
 

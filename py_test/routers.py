@@ -91,12 +91,14 @@ def vllm_grpc_server(model: Path, engine_flags: dict[str, object], log: Path) ->
 
 @contextlib.contextmanager
 def smg_router(workers: list[str], model: Path, log: Path, *extra: str) -> Iterator[str]:
-    """`smg launch` in front of gRPC workers; yields the router's HTTP base URL."""
+    """`smg launch` in front of gRPC workers; yields the router's HTTP base URL. With no
+    `workers`, `extra` names them (e.g. --pd-disaggregation --prefill ... --decode ...)."""
     binary = smg_path()
     assert binary is not None, "the smg router is not installed (make test installs it)"
     port, metrics_port = free_port(), free_port()
     command = [binary, "launch", "--host", "127.0.0.1", "--port", str(port),
-               "--worker-urls", *(f"grpc://{w}" for w in workers), "--model-path", str(model),
+               *(["--worker-urls", *(f"grpc://{w}" for w in workers)] if workers else []),
+               "--model-path", str(model),
                "--backend", "vllm", "--prometheus-host", "127.0.0.1",
                "--prometheus-port", str(metrics_port), *extra]  # fmt: skip
     base = f"http://127.0.0.1:{port}"

@@ -56,9 +56,16 @@ def command(*args: str, without_vllm: bool = False) -> list[str]:
     return [sys.executable, "-m", "vllm_router.vllm_servicer", *args]
 
 
-async def start(*args: str, without_vllm: bool = False, timeout: float = 60.0) -> ServerProcess:
+async def start(
+    *args: str,
+    without_vllm: bool = False,
+    timeout: float = 60.0,
+    env: dict[str, str] | None = None,
+) -> ServerProcess:
+    """The CLI with `args` (and `env` added to this environment), once it is ready."""
     process = await asyncio.create_subprocess_exec(
         *command(*args, without_vllm=without_vllm),
+        env={**os.environ, **env} if env else None,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.STDOUT,
         start_new_session=True,  # its own process group: kill() reaches its children

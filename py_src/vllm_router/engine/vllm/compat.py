@@ -32,6 +32,9 @@ KV_EVENT_ENDPOINT = "KV event endpoint check"
 LOAD_FIGURES = "load figures"
 TOKENIZE = "text prompt tokenization"
 RENDER = "prompt rendering"
+KV_STORE = "SharedStorageConnector's strict loads"
+# The connector's name in a kv_transfer_config (kv_store.py).
+KV_STORE_CONNECTOR = "SharedStorageConnector"
 
 # The public path lean outputs fall back to.
 GENERATE_PATH = "every request through AsyncLLM.generate"
@@ -154,6 +157,32 @@ def _renderer_process(llm: Any) -> str | None:
     return _missing(parameters(type(renderer).process_for_engine), ("prompt", "arrival_time"))
 
 
+def kv_store_problem() -> str | None:
+    """What kv_store.SharedStorageConnector needs of vLLM's ExampleConnector, or None."""
+    from vllm.distributed.kv_transfer.kv_connector.v1 import example_connector as example
+
+    connector = example.ExampleConnector
+    problem = _missing(set(dir(connector)), (
+        "_get_connector_metadata", "_generate_filename_debug", "_found_match_for_request",
+        "get_num_new_matched_tokens", "request_finished", "start_load_kv",
+        "get_block_ids_with_load_errors",
+    )) or _missing(assigned_attributes(connector), ("_block_size",))  # fmt: skip
+    fields = set(getattr(example.ReqMeta, "__dataclass_fields__", {}))
+    problem = problem or _missing(fields, ("token_ids", "slot_mapping", "is_store", "mm_hashes"))
+    if problem is None and not callable(getattr(example, "align_to_block_size", None)):
+        problem = "example_connector.align_to_block_size is gone"
+    return problem and f"vLLM's ExampleConnector {problem}"
+
+
+def _kv_store(llm: Any) -> str | None:
+    kv = llm.vllm_config.kv_transfer_config
+    if kv is None or KV_STORE_CONNECTOR not in str(kv.kv_connector) + str(
+        kv.kv_connector_extra_config
+    ):
+        return None  # not configured: nothing to check
+    return kv_store_problem()
+
+
 @dataclass(frozen=True)
 class TouchPoint:
     name: str
@@ -182,6 +211,8 @@ TOUCH_POINTS = (
                "the tokenizer's encode (special tokens added)", _renderer_tokenize),
     TouchPoint("renderer.process_for_engine", RENDER,
                "a token prompt handed to AsyncLLM as is", _renderer_process),
+    TouchPoint("ExampleConnector internals (configured connectors only)", KV_STORE,
+               "it behaves as vLLM's ExampleConnector: missing KV is recomputed", _kv_store),
 )  # fmt: skip
 
 

