@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import signal
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -39,7 +39,7 @@ CONNECTOR_MODULE = "vllm_router.engine.vllm.kv_store"
 ENGINE_ENV = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
 BLOCK = 128  # vLLM-CPU's KV block: what the store holds is whole blocks of the prompt
 # A prompt longer than one block, within the 256-token context with room to answer.
-BODY = "The prefill worker computes the prompt once and the decode worker reads it back. " * 9
+BODY = "The prefill worker computes the prompt once and the decode worker reads it back. " * 5
 
 
 def connector_flags(store: Path) -> list[str]:
@@ -109,8 +109,10 @@ async def pd(real: Harness, tmp_path_factory: pytest.TempPathFactory) -> AsyncIt
     workers = [prefill, decode, lonely]
 
     def pd_args(p: Worker, d: Worker) -> list[str]:
+        # Health checked every second: a dead worker is out of rotation at once.
         return ["--pd-disaggregation", "--prefill", f"grpc://{p.address}",
-                "--decode", f"grpc://{d.address}"]  # fmt: skip
+                "--decode", f"grpc://{d.address}", "--health-check-interval-secs", "1",
+                "--health-failure-threshold", "1"]  # fmt: skip
 
     try:
         async with (
@@ -180,14 +182,20 @@ async def test_decode_reads_the_prefills_kv_and_answers_as_one_worker(
 
 
 async def test_kv_missing_on_the_decode_side_is_an_error_not_a_recompute(
-    pd: dict, real: Harness
+    pd: dict, real: Harness, figures
 ) -> None:
     lonely: Worker = pd["lonely"]
     body = {**chat("Five. " + BODY), "max_tokens": 8, "temperature": 0.0,
             "model": str(real.model_dir)}  # fmt: skip
     before = await lonely.by_source()
+    started = time.monotonic()
     status, answer = await asyncio.to_thread(routers.openai_post, pd["lonely_base"], CHAT, body)
+    code = answer.get("error", {}).get("code")
+    figures(f"KV missing on the decode side: HTTP {status} through the router after "
+            f"{time.monotonic() - started:.1f}s, {code}")  # fmt: skip
     assert status >= 500, (status, answer)
+    log = "".join(lonely.process.log)
+    assert "the prefill's KV is not in the store" in log and "KV load failed" in log
     after = await lonely.by_source()
     # It never computed the prompt itself.
     assert after.get("local_compute", 0.0) - before.get("local_compute", 0.0) == 0
@@ -219,6 +227,8 @@ async def test_corrupt_kv_fails_that_request_and_the_decode_worker_serves_on(
         request.kv_transfer_params_json = json.dumps(params)
         answer = [m async for m in stub.Generate(request)]
     assert answer[-1].complete.finish_reason == "error", answer[-1]
+    assert not answer[-1].complete.output_ids
+    assert "KV load failed" in "".join(decode.process.log)
     assert await decode.serving()
 
 
@@ -243,18 +253,22 @@ def _request(request_id: str, ids: list[int], max_tokens: int) -> vpb.GenerateRe
 
 
 async def test_a_dead_prefill_worker_fails_requests_fast_and_decode_serves_on(
-    pd: dict, real: Harness
+    pd: dict, real: Harness, figures
 ) -> None:
     prefill: Worker = pd["prefill"]
     decode: Worker = pd["decode"]
-    prefill.process.process.send_signal(signal.SIGKILL)
+    prefill.process.kill()  # SIGKILL, engine core included
     await prefill.process.wait(30)
     body = {"prompt": "Six. " + BODY, "max_tokens": 8, "temperature": 0.0,
             "model": str(real.model_dir)}  # fmt: skip
     before = await decode.by_source()
-    status, _ = await asyncio.wait_for(
+    started = time.monotonic()
+    status, answer = await asyncio.wait_for(
         asyncio.to_thread(routers.openai_post, pd["base"], COMPLETIONS, body), 60
     )
+    code = answer.get("error", {}).get("code")
+    figures(f"prefill worker killed: HTTP {status} through the router after "
+            f"{time.monotonic() - started:.1f}s, {code}")  # fmt: skip
     assert status >= 500
     after = await decode.by_source()
     assert after == before  # the decode side never started on it
