@@ -103,10 +103,7 @@ async def pd(real: Harness, tmp_path_factory: pytest.TempPathFactory) -> AsyncIt
     assert real.model_dir is not None
     model = real.model_dir
     shared = tmp_path_factory.mktemp("kv-shared")
-    prefill = await start_worker(shared, model)
-    decode = await start_worker(shared, model)
-    lonely = await start_worker(tmp_path_factory.mktemp("kv-elsewhere"), model)
-    workers = [prefill, decode, lonely]
+    workers: list[Worker] = []
 
     def pd_args(p: Worker, d: Worker) -> list[str]:
         # Health checked every second: a dead worker is out of rotation at once.
@@ -115,6 +112,10 @@ async def pd(real: Harness, tmp_path_factory: pytest.TempPathFactory) -> AsyncIt
                 "--health-failure-threshold", "1"]  # fmt: skip
 
     try:
+        # Each one stopped below even when a later one fails to start.
+        for store in (shared, shared, tmp_path_factory.mktemp("kv-elsewhere")):
+            workers.append(await start_worker(store, model))
+        prefill, decode, lonely = workers
         async with (
             routers.smg_router_in_thread(
                 [], model, model.parent / "router-pd.log", *pd_args(prefill, decode)
