@@ -260,3 +260,17 @@ async def test_the_client_runs_many_requests_on_one_batch_stream(start_mock: Sta
 
 async def tokens_with(batch, **sampling: object) -> list[int]:  # type: ignore[no-untyped-def]
     return [t async for m in batch.stream([10], max_tokens=2, **sampling) for t in m.token_ids]
+
+
+async def test_a_batch_stream_needs_the_api_key_as_every_rpc(start_mock: StartServer) -> None:
+    harness = await start_mock(ServerConfig(port=0, api_key="sesame"))
+    call = harness.stub.GenerateBatch([generate([10], "nokey", max_tokens=2)])
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await read_all(call, Answers())
+    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    keyed = harness.stub.GenerateBatch(
+        [generate([10], "key", max_tokens=2)], metadata=(("authorization", "Bearer sesame"),)
+    )
+    answers = Answers()
+    await read_all(keyed, answers)
+    assert answers.tokens("key") == [11, 12]
