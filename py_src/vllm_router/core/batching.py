@@ -3,8 +3,9 @@
 A single-request stream pays gRPC's per-message cost (a write batch, a completion, a
 loop wake-up, a socket write: ~30 µs here) once per token per request. A router holds
 one connection per worker anyway, so a contract may offer one stream that carries many
-requests; its handler hands each request to a `BatchSession` and sends what the
-session's `Outbox` collected as one message, whenever it has news.
+requests; its handler hands each request to a `BatchSession` and sends, one message
+each, what `BatchSession.sends` yields: what the session's `Outbox` collected since the
+last message, whenever it has news.
 
 One message per engine step falls out of asyncio's ordering: the engine's output
 handler wakes every request of a step before it yields, each request's task renders
@@ -24,7 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Generic, TypeVar
 
 import grpc
@@ -135,6 +136,32 @@ class BatchSession(Generic[Update, Error]):
     async def abort(self, request_ids: list[str]) -> None:
         """Abort those of `request_ids` running on this stream (others are not ours)."""
         await self._table.abort([r for r in request_ids if r in self._running])
+
+    async def sends(
+        self, reading: asyncio.Task[None]
+    ) -> AsyncIterator[tuple[list[Update], list[Error]]]:
+        """What to send, message by message, until `reading` (the task that reads the
+        client's requests into this session) is done and every request has ended.
+
+        The caller sends each before asking for the next (the requests that put news in it
+        wait until then). Leaving early (the client went away) cancels `reading` and every
+        request still running, which aborts each in the engine.
+        """
+        try:
+            while True:
+                taken = self.outbox.take()
+                if taken is None:
+                    if reading.done() and not self._running:
+                        reading.result()  # a failure reading the stream is the RPC's
+                        return
+                    await self.outbox.wait()
+                    continue
+                updates, errors, sent = taken
+                yield updates, errors
+                sent.set()
+        finally:
+            reading.cancel()
+            await self.close()
 
     async def close(self) -> None:
         """Cancel every request still running (the engine aborts each) and wait for them."""

@@ -74,22 +74,9 @@ class VllmEngineServicer(ContractServicer, pb_grpc.VllmEngineServicer):
             self._count_batched,
         )
         trace = trace_headers(context.invocation_metadata())
-        reader = asyncio.create_task(self._read_batch(requests, session, trace))
-        try:
-            while True:
-                taken = session.outbox.take()
-                if taken is None:
-                    if reader.done() and not session.running:
-                        reader.result()  # a failure reading the stream is the RPC's
-                        return
-                    await session.outbox.wait()
-                    continue
-                updates, errors, sent = taken
-                yield pb.GenerateBatchResponse(updates=updates, errors=errors)
-                sent.set()
-        finally:
-            reader.cancel()
-            await session.close()
+        reading = asyncio.create_task(self._read_batch(requests, session, trace))
+        async for updates, errors in session.sends(reading):
+            yield pb.GenerateBatchResponse(updates=updates, errors=errors)
 
     async def _read_batch(
         self,
