@@ -11,6 +11,13 @@ from __future__ import annotations
 
 import grpc
 
+_CODE_BY_NUMBER = {status.value[0]: status for status in grpc.StatusCode}
+
+
+def status_code(number: int) -> grpc.StatusCode:
+    """The gRPC status code with this number (UNKNOWN for a number gRPC does not define)."""
+    return _CODE_BY_NUMBER.get(number, grpc.StatusCode.UNKNOWN)
+
 
 class ServicerError(Exception):
     """A failure with a known gRPC status."""

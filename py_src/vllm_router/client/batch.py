@@ -21,6 +21,7 @@ from typing import Any
 
 import grpc
 
+from ..errors import status_code
 from ..proto import vllm_engine_pb2 as pb
 from ..proto import vllm_engine_pb2_grpc as pb_grpc
 from .errors import AlreadyExistsError, UnavailableError, WorkerError, from_rpc_error, from_status
@@ -65,8 +66,7 @@ class BatchStream:
                 for error in message.errors:
                     inbox = self._inboxes.get(error.request_id)
                     if inbox is not None:
-                        code = _CODES.get(error.code, grpc.StatusCode.UNKNOWN)
-                        inbox.put_nowait(from_status(code, error.message))
+                        inbox.put_nowait(from_status(status_code(error.code), error.message))
             self._ended = UnavailableError(grpc.StatusCode.UNAVAILABLE, "the batch stream ended")
         except grpc.aio.AioRpcError as exc:
             self._ended = from_rpc_error(exc)
@@ -149,6 +149,3 @@ class BatchStream:
             await self.close_now()
         else:
             await self.close()
-
-
-_CODES = {status.value[0]: status for status in grpc.StatusCode}

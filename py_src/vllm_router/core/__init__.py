@@ -11,7 +11,14 @@ gRPC contract.
 from .health import ServingState, ServingStatus
 from .metrics import ServicerMetrics
 from .requests import Flight, RequestTable
-from .servicer import ContractServicer, Malformed, ServingCore, abort_with, handles_errors
+from .servicer import (
+    ContractServicer,
+    Malformed,
+    ServingCore,
+    abort_with,
+    failure_status,
+    handles_errors,
+)
 
 __all__ = [
     "ContractServicer",
@@ -23,5 +30,6 @@ __all__ = [
     "ServingState",
     "ServingStatus",
     "abort_with",
+    "failure_status",
     "handles_errors",
 ]

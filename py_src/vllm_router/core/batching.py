@@ -24,18 +24,15 @@ still on it.
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Generic, TypeVar
 
 import grpc
 
 from ..engine import EngineStep, GenerationRequest
-from ..errors import EngineDead, ServicerError, status_for
 from .health import ServingState
 from .requests import RequestTable
-
-logger = logging.getLogger(__name__)
+from .servicer import failure_status
 
 Update = TypeVar("Update")
 Error = TypeVar("Error")
@@ -198,11 +195,7 @@ class BatchSession(Generic[Update, Error]):
             else:
                 self.fail(request_id, grpc.StatusCode.CANCELLED, STALLED, refused=False)
         except Exception as exc:
-            code, message = status_for(exc)
-            if not isinstance(exc, ServicerError):
-                logger.error("batched request %s failed unexpectedly", request_id, exc_info=exc)
-            if isinstance(exc, EngineDead):
-                await self._state.engine_died(exc.message)
+            code, message = await failure_status(self._state, exc)
             self.fail(request_id, code, message, refused=not started)
         finally:
             del self._running[request_id]

@@ -22,7 +22,7 @@ from typing import Any, NoReturn, TypeVar
 import grpc
 
 from ..engine import AsyncEngine
-from ..errors import EngineDead, InvalidRequest, status_for
+from ..errors import EngineDead, InvalidRequest, status_code, status_for
 from .health import ServingState
 from .metrics import ServicerMetrics
 from .requests import RequestTable
@@ -60,12 +60,24 @@ class Malformed:
         return InvalidRequest(f"the request message could not be parsed: {self.error}")
 
 
-async def abort_with(context: grpc.aio.ServicerContext, exc: Exception) -> NoReturn:
-    """End the RPC with the status `exc` maps to (context.abort raises)."""
+def _status(exc: Exception) -> tuple[grpc.StatusCode, str]:
     code, message = status_for(exc)
     if code is grpc.StatusCode.INTERNAL:
         logger.error("RPC failed unexpectedly", exc_info=exc)
-    await context.abort(code, message)
+    return code, message
+
+
+async def failure_status(state: ServingState, exc: Exception) -> tuple[grpc.StatusCode, str]:
+    """The status a failure is told with, after what every failure needs: an engine death
+    turns the worker NOT_SERVING first; a bug (INTERNAL) is logged with its traceback."""
+    if isinstance(exc, EngineDead):
+        await state.engine_died(exc.message)
+    return _status(exc)
+
+
+async def abort_with(context: grpc.aio.ServicerContext, exc: Exception) -> NoReturn:
+    """End the RPC with the status `exc` maps to (context.abort raises)."""
+    await context.abort(*_status(exc))
     raise AssertionError("unreachable: context.abort raises")
 
 
@@ -83,9 +95,8 @@ class ContractServicer:
 
 
 async def _failed(servicer: ContractServicer, context: Any, exc: Exception) -> NoReturn:
-    if isinstance(exc, EngineDead):
-        await servicer._state.engine_died(exc.message)
-    await abort_with(context, exc)
+    await context.abort(*await failure_status(servicer._state, exc))
+    raise AssertionError("unreachable: context.abort raises")
 
 
 def _count(
@@ -157,11 +168,8 @@ def handles_errors(handler: Handler) -> Handler:
     return unary  # type: ignore[return-value]
 
 
-_CODE_BY_VALUE = {status.value[0]: status for status in grpc.StatusCode}
-
-
 def _aborted_code(context: grpc.aio.ServicerContext) -> grpc.StatusCode:
     code = context.code()
     if isinstance(code, grpc.StatusCode):
         return code
-    return _CODE_BY_VALUE.get(code, grpc.StatusCode.UNKNOWN)  # type: ignore[arg-type]
+    return status_code(code)  # type: ignore[arg-type]

@@ -8,24 +8,21 @@ to status codes.
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections.abc import AsyncIterator, Mapping
 from typing import TypeAlias
 
 import grpc
 
-from ...core import ContractServicer, Malformed, handles_errors
+from ...core import ContractServicer, Malformed, failure_status, handles_errors
 from ...core.accumulate import RequestResult
 from ...core.batching import BatchSession
 from ...core.request_fields import checked_request_id, trace_headers
 from ...engine import EngineStep, GenerationRequest, LoadSnapshot
-from ...errors import InvalidRequest, ServicerError, Unsupported, status_for
+from ...errors import InvalidRequest, Unsupported
 from ...proto import vllm_engine_pb2 as pb
 from ...proto import vllm_engine_pb2_grpc as pb_grpc
 from . import convert, responses
 from .rules import tokenizer_digest
-
-logger = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["VllmEngine"].full_name
 Context: TypeAlias = grpc.aio.ServicerContext
@@ -105,10 +102,7 @@ class VllmEngineServicer(ContractServicer, pb_grpc.VllmEngineServicer):
                             item.generate, self._engine.facts, trace
                         )
                     except Exception as exc:  # one request's conversion, not the stream's
-                        code, message = status_for(exc)
-                        if not isinstance(exc, ServicerError):
-                            logger.error("GenerateBatch: converting %r failed", request_id,
-                                         exc_info=exc)  # fmt: skip
+                        code, message = await failure_status(self._state, exc)
                         session.fail(request_id, code, message, refused=True)
                         continue
                     session.start(request_id, generation, item.timeout_ms / 1000)

@@ -13,7 +13,7 @@ subclass removes:
   the decode request; a request carrying them claims its N tokens from the store whether
   or not the files are there, so missing KV is a failed load, not a recompute.
 - A missing, truncated or mis-shaped file raises inside the engine core's forward pass,
-  which kills the engine. Here every file is read and checked before anything is
+  which kills the engine. Here every file's header is checked before anything is
   injected; a request whose KV does not check out is reported through
   `get_block_ids_with_load_errors`, and vLLM's `kv_load_failure_policy` decides: "fail"
   (the default) finishes that request with an `error`, "recompute" recomputes it. The
@@ -33,7 +33,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-import safetensors.torch
+import safetensors
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.example_connector import (
     ExampleConnector,
@@ -129,13 +129,16 @@ class SharedStorageConnector(ExampleConnector):
                 continue
             path = self._generate_filename_debug(name, request.token_ids, request.mm_hashes)
             try:
-                stored = safetensors.torch.load_file(path)["kv_cache"]
-            except Exception as exc:  # missing, truncated, not safetensors
+                # The header alone (ExampleConnector then reads the data once): it tells a
+                # missing, truncated or foreign file, and the stored shape.
+                with safetensors.safe_open(path, "pt") as stored:
+                    shape = stored.get_slice("kv_cache").get_shape()
+            except Exception as exc:
                 return f"{path}: {type(exc).__name__}: {exc}"
             # One row per stored token, each as wide as a row of this layer's cache.
-            if stored.shape[0] != len(request.slot_mapping) or stored.shape[-1] != cache.shape[-1]:
+            if shape[0] != len(request.slot_mapping) or shape[-1] != cache.shape[-1]:
                 return (
-                    f"{path}: shape {tuple(stored.shape)}, expected {len(request.slot_mapping)} "
+                    f"{path}: shape {tuple(shape)}, expected {len(request.slot_mapping)} "
                     f"rows of width {cache.shape[-1]}"
                 )
         return None
