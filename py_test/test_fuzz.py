@@ -24,7 +24,9 @@ ALLOWED = {
     grpc.StatusCode.UNIMPLEMENTED,
     grpc.StatusCode.OUT_OF_RANGE,
     grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.PERMISSION_DENIED,  # a media URL the worker may not fetch
 }
+IMAGE_TOKEN = 7  # the fuzzed mock takes images, one placeholder of this id each
 FUZZ = settings(
     max_examples=EXAMPLES,
     deadline=None,
@@ -83,6 +85,30 @@ structured = st.one_of(
 )
 
 
+tensors = st.dictionaries(
+    st.sampled_from(["pixel_values", "num_patches", ""]) | st.text(max_size=4),
+    st.builds(
+        pb.Tensor,
+        shape=st.lists(st.integers(0, 4) | u32, max_size=3),
+        dtype=st.sampled_from(["float32", "bfloat16", "int64", "bool", "complex64", ""]),
+        data=st.binary(max_size=64),
+    ),
+    max_size=2,
+)
+media_items = st.one_of(
+    st.builds(pb.MultimodalItem, modality=st.sampled_from(["image", "audio", ""]),
+              data=st.binary(max_size=16), uuid=st.text(max_size=4)),
+    st.builds(pb.MultimodalItem, modality=st.just("image"), url=st.sampled_from([
+        "data:image/png;base64,iVBORw0KGgo=", "data:,x", "data:image/png;base64,@@",
+        "http://127.0.0.1:1/x.png", "file:///etc/passwd", "ftp://x/y", "nonsense", "",
+    ])),
+    st.builds(pb.MultimodalItem, modality=st.just("image"), processed=st.builds(
+        pb.ProcessedMedia, tensors=tensors, offset=st.integers(0, 50) | u32,
+        length=st.integers(0, 10) | u32, hash=st.text(max_size=4),
+    )),
+)  # fmt: skip
+
+
 @st.composite
 def generate_requests(draw: st.DrawFn) -> pb.GenerateRequest:
     request = pb.GenerateRequest(
@@ -100,8 +126,10 @@ def generate_requests(draw: st.DrawFn) -> pb.GenerateRequest:
         request.prompt_token_ids[0] = draw(u32)  # often outside the vocabulary
     if draw(st.booleans()):
         request.dp_rank = draw(st.integers(0, 2) | u32)
-    if draw(st.integers(0, 9)) == 0:
-        request.multimodal_data.add(modality="image", data=draw(st.binary(max_size=16)))
+    if draw(st.integers(0, 4)) == 0:
+        request.multimodal_data.extend(draw(st.lists(media_items, max_size=3)))
+        if draw(st.booleans()):
+            request.prompt_token_ids.extend([IMAGE_TOKEN] * len(request.multimodal_data))
     if draw(st.integers(0, 5)) == 0:
         request.sampling_params.structured_outputs.CopyFrom(draw(structured))
     if draw(st.integers(0, 7)) == 0:
@@ -151,7 +179,7 @@ def _fuzz(address: str) -> dict[str, int]:
 
 @pytest.mark.timeout(1800)
 async def test_fuzzed_requests_never_break_the_server(start_mock: StartServer, figures) -> None:
-    mock = await start_mock()
+    mock = await start_mock(image_token_id=IMAGE_TOKEN, max_images=2)
     seen = await asyncio.to_thread(_fuzz, mock.address)
     figures(f"{2 * EXAMPLES} fuzzed requests and byte strings; status codes seen: {seen}")
     health = await mock.stub.HealthCheck(pb.HealthCheckRequest())

@@ -102,9 +102,9 @@ async def test_info_loads_health_and_flush(mock: Harness) -> None:
 async def test_clear_statuses_for_what_cannot_be_served(mock: Harness) -> None:
     stub = _stub(mock)
     media = _generate([10], max_tokens=2)
-    media.media_refs.items.add(url="http://example.invalid/cat.png")
+    media.media_refs.items.add(modality=common_pb2.IMAGE, url="http://example.invalid/cat.png")
     cases = [
-        (stub.Generate(media), grpc.StatusCode.UNIMPLEMENTED, "multimodal"),
+        (stub.Generate(media), grpc.StatusCode.INVALID_ARGUMENT, "takes no media"),
         (stub.Generate(vpb.GenerateRequest()), grpc.StatusCode.INVALID_ARGUMENT, "empty"),
         (stub.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest()),
          grpc.StatusCode.UNIMPLEMENTED, "KV cache events"),

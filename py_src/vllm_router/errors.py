@@ -41,6 +41,13 @@ class Unsupported(ServicerError):
     code = grpc.StatusCode.UNIMPLEMENTED
 
 
+class MediaRefused(ServicerError):
+    """A media URL this worker's rules do not allow it to fetch (a host or path not
+    allowed by the operator)."""
+
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
 class NotFound(ServicerError):
     """A named thing (a LoRA adapter) that this worker does not have."""
 
@@ -78,6 +85,13 @@ class EngineDead(EngineUnavailable):
     Engine adapters raise it; the serving core turns the worker NOT_SERVING on the
     first one it sees, before the failing RPC's status goes out.
     """
+
+
+class MediaUnavailable(ServicerError):
+    """A media URL could not be fetched now (timeout, connection, a 5xx): another try,
+    here or on another worker, may succeed."""
+
+    code = grpc.StatusCode.UNAVAILABLE
 
 
 class RequestFailed(EngineUnavailable):

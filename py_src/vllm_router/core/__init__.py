@@ -8,9 +8,11 @@ them with the tokenizer files and metrics for the contracts' servicers
 gRPC contract.
 """
 
+from .flight import Flight
 from .health import ServingState, ServingStatus
+from .media import MediaRules
 from .metrics import ServicerMetrics
-from .requests import Flight, RequestTable
+from .requests import RequestTable
 from .servicer import (
     ContractServicer,
     Malformed,
@@ -24,6 +26,7 @@ __all__ = [
     "ContractServicer",
     "Flight",
     "Malformed",
+    "MediaRules",
     "RequestTable",
     "ServicerMetrics",
     "ServingCore",

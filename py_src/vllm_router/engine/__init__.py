@@ -4,6 +4,7 @@
 `vllm_router.testing`. Nothing in this package imports gRPC contracts.
 """
 
+from .media import DTYPE_SIZES, MediaItem, ProcessedMedia, RawTensor
 from .protocol import AsyncEngine
 from .types import (
     NEUTRAL_DEFAULT,
@@ -25,6 +26,7 @@ from .types import (
 )
 
 __all__ = [
+    "DTYPE_SIZES",
     "NEUTRAL_DEFAULT",
     "AsyncEngine",
     "Embedding",
@@ -37,8 +39,11 @@ __all__ = [
     "KvEventBatch",
     "LoadSnapshot",
     "LoraAdapter",
+    "MediaItem",
     "ModelFacts",
+    "ProcessedMedia",
     "RankLoad",
+    "RawTensor",
     "SamplingOptions",
     "StructuredOutputs",
     "TokenLogprob",

@@ -11,6 +11,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from .media import MediaItem, ProcessedMedia
+
 # Why a request ended, as vLLM names it (its FinishReason enum, as strings): `error` is a
 # request-level failure (e.g. a KV-cache load that failed in a disaggregated deployment),
 # `repetition` a repeating pattern vLLM's repetition detection found.
@@ -99,6 +101,11 @@ class GenerationRequest:
     fill_context: bool = False
     # The contract's name for the prompt field, for the messages of the prompt checks.
     prompt_field: str = "prompt_token_ids"
+    # Images and other media, in the order of their placeholders in the prompt; or, from a
+    # router that ran the processor itself, its outputs.
+    media: tuple[MediaItem, ...] = ()
+    processed_media: tuple[ProcessedMedia, ...] = ()
+    media_field: str = "multimodal_data"
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,6 +172,12 @@ class ModelFacts:
     kv_engine_id: str = ""
     kv_cache_dtype: str = ""
     model_dtype: str = ""  # e.g. "torch.bfloat16"
+    # Media the model takes: modality -> items per prompt at most (--limit-mm-per-prompt);
+    # empty for a text-only model.
+    media_limits: Mapping[str, int] = field(default_factory=dict)
+    # Where media URLs may point (vLLM's --allowed-media-domains / --allowed-local-media-path).
+    allowed_media_domains: tuple[str, ...] = ()
+    allowed_local_media_path: str = ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,7 +26,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from ..core import RequestTable, ServicerMetrics, ServingCore, ServingState
+from ..core import MediaRules, RequestTable, ServicerMetrics, ServingCore, ServingState
 from ..engine import AsyncEngine
 from .config import ServerConfig, StartupError, server_options
 from .interceptors import MalformedRequestInterceptor
@@ -102,6 +102,11 @@ class RunningServer:
             max_prompt_tokens=config.max_prompt_tokens,
             log_requests=config.enable_log_requests,
             metrics=self.metrics,
+            media_rules=MediaRules.of(
+                engine.facts,
+                max_bytes=config.media_max_bytes,
+                timeout=config.media_fetch_timeout_seconds,
+            ),
         )
         if self.metrics is not None:
             self.metrics.watch(

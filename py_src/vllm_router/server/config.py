@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..core.media import DEFAULT_MAX_BYTES as DEFAULT_MEDIA_MAX_BYTES
+from ..core.media import DEFAULT_TIMEOUT as DEFAULT_MEDIA_TIMEOUT
 from ..defaults import API_KEY_ENV, DEFAULT_HOST, DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_PORT
 
 # Field metadata keys read by `vllm_router.dataclass_flags`.
@@ -58,6 +60,14 @@ class ServerConfig:
     )
     max_prompt_tokens: int = _opt(
         0, "longest prompt admitted, in tokens (0: only the model's context limits it)"
+    )
+    # Media URLs (http(s) hosts and the local directory are vLLM's --allowed-media-domains
+    # and --allowed-local-media-path; see core.media).
+    media_max_bytes: int = _opt(
+        DEFAULT_MEDIA_MAX_BYTES, "largest image (or other media item) a request may carry or name"
+    )
+    media_fetch_timeout_seconds: float = _opt(
+        DEFAULT_MEDIA_TIMEOUT, "longest fetch of one media URL; slower is UNAVAILABLE"
     )
     stream_stall_timeout_seconds: float = _opt(
         60.0, "abort a stream whose client has not read a message for this long (0: never)"

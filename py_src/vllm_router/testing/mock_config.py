@@ -35,6 +35,17 @@ class MockConfig:
             "('error' or 'repetition') after its second token (default: none)"
         },
     )
+    image_token_id: int = field(
+        default=0,
+        metadata={"help": "take images, one placeholder of this token id each (0: text only)"},
+    )
+    max_images: int = field(default=4, metadata={"help": "images per prompt at most"})
+    allowed_media_domains: str = field(
+        default="", metadata={"help": "hosts media URLs may name, comma-separated (as vLLM's)"}
+    )
+    allowed_local_media_path: str = field(
+        default="", metadata={"help": "directory file: media URLs may name (as vLLM's)"}
+    )
     die_after_tokens: int = field(
         default=0,
         metadata={"help": "fault injection: the engine dies after this many tokens (0: never)"},

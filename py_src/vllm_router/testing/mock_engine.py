@@ -44,6 +44,7 @@ from ..errors import EngineDead, InvalidRequest, Unsupported
 from .mock_config import MockConfig
 from .mock_decode import SampleDecoder, cached_prefix, check_supported, every_interval
 from .mock_load import load_of, rank_loads
+from .mock_media import media_limits, prompt_with_media
 from .mock_sampling import mock_logprobs, validate_sampling
 
 NO_LORA = "the mock engine has no LoRA adapters"
@@ -79,6 +80,9 @@ class MockAsyncEngine:
             engine="mock",
             engine_version=__version__,
             max_num_seqs=config.max_num_seqs,
+            media_limits=media_limits(config),
+            allowed_media_domains=tuple(d for d in config.allowed_media_domains.split(",") if d),
+            allowed_local_media_path=config.allowed_local_media_path,
         )
         self._slots = asyncio.Semaphore(config.max_num_seqs)
         self._requests: dict[str, _Request] = {}
@@ -172,7 +176,7 @@ class MockAsyncEngine:
         if request.request_id in self._requests:
             raise InvalidRequest(f"request id {request.request_id!r} is already running")
         self.last_request = request
-        state = _Request(request, request.prompt_token_ids)
+        state = _Request(request, prompt_with_media(request, self.config))
         self._requests[request.request_id] = state
         finished = False
         held = False

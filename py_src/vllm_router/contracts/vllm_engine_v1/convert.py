@@ -13,9 +13,17 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from ...core.media import checked_tensor
 from ...core.request_fields import checked_dp_rank, checked_request_id
 from ...core.sampling import SamplingTable
-from ...engine import GenerationRequest, ModelFacts, SamplingOptions, StructuredOutputs
+from ...engine import (
+    GenerationRequest,
+    MediaItem,
+    ModelFacts,
+    ProcessedMedia,
+    SamplingOptions,
+    StructuredOutputs,
+)
 from ...errors import InvalidRequest, Unsupported
 from ...proto import vllm_engine_pb2 as pb
 
@@ -68,11 +76,6 @@ def to_generation_request(
             f"execution_mode {_EXECUTION_MODES[mode]} is not implemented; "
             "only EXECUTION_MODE_NORMAL is served"
         )
-    if request.multimodal_data:
-        raise Unsupported(
-            f"multimodal_data is not implemented ({len(request.multimodal_data)} item(s) sent); "
-            "send a text-only prompt"
-        )
     dp_rank = checked_dp_rank(
         request.dp_rank if request.HasField("dp_rank") else None, facts, "dp_rank"
     )
@@ -97,6 +100,55 @@ def to_generation_request(
         lora_name=request.lora_name or None,
         priority=request.priority,
         trace_headers=trace,
+        **_media(request.multimodal_data),
+    )
+
+
+def _media(items: Any) -> dict[str, Any]:
+    """multimodal_data -> the request's media (encoded or URL items) or processed media."""
+    media: list[MediaItem] = []
+    processed: list[ProcessedMedia] = []
+    for i, item in enumerate(items):
+        where = f"multimodal_data[{i}]"
+        if not item.modality:
+            raise InvalidRequest(f'{where}.modality is empty; name it (e.g. "image")')
+        forms = [name for name in ("data", "url") if getattr(item, name)]
+        forms += ["processed"] if item.HasField("processed") else []
+        if len(forms) != 1:
+            raise InvalidRequest(
+                f"{where} sets {' and '.join(forms) or 'none'} of data, url, processed; "
+                "set exactly one"
+            )
+        if item.HasField("processed"):
+            processed.append(_processed(item, where))
+        else:
+            media.append(
+                MediaItem(item.modality, data=item.data or None, url=item.url or None,
+                          uuid=item.uuid or None)
+            )  # fmt: skip
+    if media and processed:
+        raise InvalidRequest(
+            "multimodal_data mixes processed items with encoded ones; send all in one form"
+        )
+    return {"media": tuple(media), "processed_media": tuple(processed)}
+
+
+def _processed(item: pb.MultimodalItem, where: str) -> ProcessedMedia:
+    p = item.processed
+    if not p.tensors:
+        raise InvalidRequest(f"{where}.processed has no tensors")
+    if not p.hash:
+        raise InvalidRequest(f"{where}.processed.hash is empty; every item needs a content hash")
+    tensors = {
+        name: checked_tensor(t.dtype, list(t.shape), t.data, f"{where}.processed.tensors[{name}]")
+        for name, t in p.tensors.items()
+    }
+    return ProcessedMedia(
+        modality=item.modality,
+        tensors=tensors,
+        placeholders=((p.offset, p.length),),
+        hashes=(p.hash,),
+        embed_token_id=p.embed_token_id if p.HasField("embed_token_id") else None,
     )
 
 

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 import grpc
 
 from ...core.accumulate import RequestResult, SampleResult
+from ...core.media import url_schemes
 from ...engine import (
     Embedding,
     EngineStep,
@@ -149,6 +150,8 @@ def model_info(
         is_generation=facts.is_generation,
         lora_adapters=[adapter.name for adapter in lora_adapters],
         tokenizer_sha256=tokenizer_sha256,
+        media_limits=facts.media_limits,
+        media_url_schemes=url_schemes(facts),
     )
 
 

@@ -15,11 +15,22 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+from smg_grpc_proto.generated import common_pb2
 from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 
+from ...core.media import checked_tensor
 from ...core.request_fields import checked_dp_rank, checked_request_id
 from ...core.sampling import SamplingTable
-from ...engine import GenerationRequest, ModelFacts, SamplingOptions, StructuredOutputs
+from ...engine import (
+    GenerationRequest,
+    MediaItem,
+    ModelFacts,
+    ProcessedMedia,
+    RawTensor,
+    SamplingOptions,
+    StructuredOutputs,
+)
+from ...engine.media import TensorLayout
 from ...errors import InvalidRequest, Unsupported
 
 _CONSTRAINTS = {  # proto oneof member -> StructuredOutputs field
@@ -78,15 +89,86 @@ def kv_transfer_params(request: vpb.GenerateRequest) -> Mapping[str, Any] | None
     return None
 
 
-def _refuse_media(request: vpb.GenerateRequest) -> None:
-    sent = [name for name in ("mm_inputs", "media_refs") if request.HasField(name)] + (
-        ["extra_mm_inputs"] if len(request.extra_mm_inputs) else []
-    )
-    if sent:
+_MODALITIES = {
+    common_pb2.IMAGE: "image",
+    common_pb2.VIDEO: "video",
+    common_pb2.AUDIO: "audio",
+}
+
+
+def _tensor(data: Any, where: str) -> RawTensor:
+    payload = data.WhichOneof("payload")
+    if payload != "inline":
+        # This worker advertises no shm namespace, so a router sends tensors inline.
         raise Unsupported(
-            f"multimodal inputs are not implemented by this worker ({', '.join(sent)} sent); "
-            "send a text-only prompt"
+            f"{where}: a {payload or 'missing'} tensor payload is not served; send the bytes inline"
         )
+    return checked_tensor(data.dtype, list(data.shape), data.inline, where)
+
+
+def _batch(batch: Any, where: str) -> ProcessedMedia:
+    """One MultimodalInputs (a router's processor outputs for items of one modality)."""
+    modality = _MODALITIES.get(batch.modality or 1)
+    if modality is None:
+        raise InvalidRequest(f"{where}.modality {batch.modality} is not a known modality")
+    primary = batch.encoder_input_key if batch.HasField("encoder_input_key") else "pixel_values"
+    tensors = {
+        name: _tensor(value, f"{where}.model_specific_tensors[{name}]")
+        for name, value in batch.model_specific_tensors.items()
+    }
+    if batch.HasField("pixel_values"):
+        tensors[primary] = _tensor(batch.pixel_values, f"{where}.pixel_values")
+    if not tensors:
+        raise Unsupported(
+            f"{where} carries no tensors (a pixel-less leg of a disaggregated request); "
+            "this worker needs the processor outputs"
+        )
+    layout: dict[str, TensorLayout] = {key: "batched" for key in batch.batched_keys}
+    layout.update({key: ("flat", sizes) for key, sizes in batch.flat_keys.items()})
+    return ProcessedMedia(
+        modality=modality,
+        tensors=tensors,
+        placeholders=tuple((p.offset, p.length) for p in batch.mm_placeholders),
+        hashes=tuple(batch.mm_hashes),
+        layout=layout,
+        embed_token_id=batch.im_token_id if batch.HasField("im_token_id") else None,
+    )
+
+
+def _media(request: vpb.GenerateRequest) -> dict[str, Any]:
+    """mm_inputs + extra_mm_inputs (processed) or media_refs (URLs) -> the request's media."""
+    batches = [request.mm_inputs] if request.HasField("mm_inputs") else []
+    batches += list(request.extra_mm_inputs)
+    has_refs = request.HasField("media_refs")
+    if not batches and not has_refs:
+        return {}
+    if request.WhichOneof("input") != "tokenized":
+        raise InvalidRequest("multimodal inputs need a tokenized prompt (tokenized.input_ids)")
+    if batches and has_refs:
+        raise InvalidRequest("media_refs cannot be combined with mm_inputs / extra_mm_inputs")
+    if batches:
+        names = ["mm_inputs"] if request.HasField("mm_inputs") else []
+        names += [f"extra_mm_inputs[{i}]" for i in range(len(request.extra_mm_inputs))]
+        return {
+            "processed_media": tuple(_batch(b, n) for b, n in zip(batches, names, strict=True)),
+            "media_field": "mm_inputs",
+        }
+    refs = request.media_refs.items
+    if not refs:
+        raise InvalidRequest("media_refs is set but carries no items")
+    media = []
+    for i, ref in enumerate(refs):
+        modality = _MODALITIES.get(ref.modality)
+        if modality is None:
+            known = ref.modality in common_pb2.Modality.values()
+            name = common_pb2.Modality.Name(ref.modality) if known else str(ref.modality)
+            raise InvalidRequest(
+                f"media_refs[{i}]: modality {name} is not supported (IMAGE, VIDEO or AUDIO)"
+            )
+        if not ref.url:
+            raise InvalidRequest(f"media_refs[{i}]: the url is empty")
+        media.append(MediaItem(modality, url=ref.url))
+    return {"media": tuple(media), "media_field": "media_refs"}
 
 
 def _truncated(ids: list[int], params: vpb.SamplingParams, facts: ModelFacts) -> list[int]:
@@ -104,7 +186,6 @@ def _truncated(ids: list[int], params: vpb.SamplingParams, facts: ModelFacts) ->
 def to_generation_request(
     request: vpb.GenerateRequest, facts: ModelFacts, trace: Mapping[str, str] | None
 ) -> GenerationRequest:
-    _refuse_media(request)
     params = request.sampling_params
     ids: list[int] | None = None
     text: str | None = None
@@ -133,4 +214,5 @@ def to_generation_request(
         # As vLLM's --grpc server: a max_tokens past the context generates until it is full.
         fill_context=True,
         prompt_field="tokenized.input_ids",
+        **_media(request),
     )

@@ -10,10 +10,12 @@ import time
 import zipfile
 from collections.abc import Iterator
 from datetime import datetime, timezone
+from typing import Any
 
 from smg_grpc_proto.generated import common_pb2
 from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 
+from ...core.media import url_schemes
 from ...engine import (
     EngineStep,
     KvBlocksRemoved,
@@ -125,7 +127,7 @@ def model_info(facts: ModelFacts) -> vpb.GetModelInfoResponse:
         is_generation=facts.is_generation,
         max_context_length=facts.max_model_len,
         vocab_size=facts.vocab_size,
-        supports_vision=False,
+        supports_vision="image" in facts.media_limits,
         served_model_name=facts.served_model_name,
         tokenizer_path=facts.tokenizer_path,
         model_type=facts.model_type,
@@ -154,7 +156,25 @@ def server_info(facts: ModelFacts, active: int, started: float) -> vpb.GetServer
         kv_engine_id=facts.kv_engine_id,
         kv_cache_dtype=facts.kv_cache_dtype,
         model_dtype=facts.model_dtype,
+        **_media_info(facts),
     )
+
+
+def _media_info(facts: ModelFacts) -> dict[str, Any]:
+    """What the router reads to send a worker media: with a non-empty mm_processor it
+    forwards image URLs (media_refs, `--mm-processing worker`) for the worker to process,
+    as vLLM's server does with its in-process processor on."""
+    schemes = url_schemes(facts)
+    if not schemes:
+        return {}
+    dtype = facts.model_dtype.removeprefix("torch.")
+    return {
+        "mm_processor": "inprocess",
+        "mm_processor_source": "default",
+        "mm_media_ref_schemes": ",".join(schemes),
+        "mm_item_limits": ",".join(f"{m}={n}" for m, n in sorted(facts.media_limits.items())),
+        "multimodal_encoder_dtype": dtype if dtype in ("float32", "float16", "bfloat16") else "",
+    }
 
 
 def loads(ranks: list[RankLoad], max_running: int, version: str) -> vpb.GetLoadsResponse:

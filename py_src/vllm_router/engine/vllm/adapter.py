@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from prometheus_client.registry import Collector
 
-from ...errors import EngineDead, NotConfigured
+from ...errors import EngineDead, InvalidRequest, NotConfigured
 from ..types import (
     Embedding,
     EngineStep,
@@ -30,6 +30,7 @@ from .compat import (
     ENGINE_SERIES,
     KV_EVENT_ENDPOINT,
     LEAN_OUTPUTS,
+    MEDIA,
     RENDER,
     TOKENIZE,
     check_touch_points,
@@ -39,6 +40,7 @@ from .generate import VllmCall, lean_steps, request_output_steps
 from .kv_events import kv_event_batches
 from .lean import lean_eligible
 from .lora import LoraRegistry
+from .media import media_input, processed_input
 from .params import build_sampling_params, reraise
 from .stats import LoadBoard, capture_engine_registry
 
@@ -67,7 +69,7 @@ class VllmEngine:
         model_config = llm.vllm_config.model_config
         self._max_model_len = model_config.max_model_len
         self._model_defaults = model_config.get_diff_sampling_param()
-        self._facts = model_facts(llm, self._model_defaults)
+        self._facts = model_facts(llm, self._model_defaults, media=MEDIA in self.features)
         self._loras = LoraRegistry(llm, self._facts.supports_lora)
         if self._model_defaults:
             logger.info(
@@ -242,11 +244,18 @@ class VllmEngine:
         ids = request.prompt_token_ids
         if ids is None:
             raise ValueError("VllmEngine.generate needs prompt_token_ids (tokenize text first)")
+        if request.media or request.processed_media:
+            return self._media_steps(request, ids)
+        return self._steps(request, ids, self._engine_prompt(ids))
+
+    def _steps(
+        self, request: GenerationRequest, ids: list[int], prompt: Any
+    ) -> AsyncGenerator[EngineStep, None]:
         options = request.sampling
         params = self._sampling_params(request, len(ids))
         call = VllmCall(
             request_id=request.request_id,
-            prompt=self._engine_prompt(ids),
+            prompt=prompt,
             prompt_token_ids=ids,
             params=params,
             options={
@@ -261,3 +270,24 @@ class VllmEngine:
             self.lean_streams += 1
             return lean_steps(self._llm, call)
         return request_output_steps(self._llm, call, options)
+
+    async def _media_steps(
+        self, request: GenerationRequest, ids: list[int]
+    ) -> AsyncGenerator[EngineStep, None]:
+        """A prompt with media: processed off the event loop first; its expanded ids then
+        size the request (the default max_tokens, the usage counts) as any prompt's."""
+        if not self._facts.media_limits:
+            raise InvalidRequest(
+                f"{request.media_field}: this model takes no media (a text-only model)"
+            )
+        if request.processed_media:
+            engine_input = await processed_input(self._llm, ids, request)
+        else:
+            engine_input = await media_input(self._llm, ids, request)
+        expanded = list(engine_input["prompt_token_ids"])
+        steps = self._steps(request, expanded, engine_input)
+        try:
+            async for step in steps:
+                yield step
+        finally:
+            await steps.aclose()

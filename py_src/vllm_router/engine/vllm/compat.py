@@ -33,6 +33,7 @@ LOAD_FIGURES = "load figures"
 TOKENIZE = "text prompt tokenization"
 RENDER = "prompt rendering"
 KV_STORE = "SharedStorageConnector's strict loads"
+MEDIA = "images and other media"
 # The connector's name in a kv_transfer_config (kv_store.py).
 KV_STORE_CONNECTOR = "SharedStorageConnector"
 
@@ -157,6 +158,29 @@ def _renderer_process(llm: Any) -> str | None:
     return _missing(parameters(type(renderer).process_for_engine), ("prompt", "arrival_time"))
 
 
+def _media(llm: Any) -> str | None:
+    from vllm.inputs import engine as inputs
+    from vllm.multimodal.inputs import MultiModalFieldConfig, MultiModalKwargsItems
+    from vllm.multimodal.media.image import ImageMediaIO
+
+    if not llm.model_config.is_multimodal_model:
+        return None  # a text-only model: nothing to check
+    renderer = type(llm.renderer)
+    problem = _missing(
+        parameters(renderer.process_for_engine_async), ("prompt", "arrival_time", "skip_mm_cache")
+    )
+    problem = problem or _missing(set(dir(renderer)), ("get_mm_processor",))
+    problem = problem or _missing(parameters(inputs.mm_input), (
+        "prompt_token_ids", "mm_kwargs", "mm_hashes", "mm_placeholders"))  # fmt: skip
+    problem = problem or _missing(parameters(MultiModalKwargsItems.from_hf_inputs),
+                                  ("hf_inputs", "config_by_key"))  # fmt: skip
+    problem = problem or _missing(set(dir(MultiModalFieldConfig)),
+                                  ("batched", "flat_from_sizes", "shared"))  # fmt: skip
+    processor = llm.renderer.get_mm_processor()
+    problem = problem or _missing(set(dir(processor)), ("_get_mm_fields_config", "info"))
+    return problem or _missing(set(dir(ImageMediaIO)), ("load_bytes",))
+
+
 def kv_store_problem() -> str | None:
     """What kv_store.SharedStorageConnector needs of vLLM's ExampleConnector, or None."""
     from vllm.distributed.kv_transfer.kv_connector.v1 import example_connector as example
@@ -211,6 +235,8 @@ TOUCH_POINTS = (
                "the tokenizer's encode (special tokens added)", _renderer_tokenize),
     TouchPoint("renderer.process_for_engine", RENDER,
                "a token prompt handed to AsyncLLM as is", _renderer_process),
+    TouchPoint("renderer multimodal processing, mm_input, MultiModalKwargsItems, ImageMediaIO",
+               MEDIA, "media requests are refused (the model is served as text-only)", _media),
     TouchPoint("ExampleConnector internals (configured connectors only)", KV_STORE,
                "it behaves as vLLM's ExampleConnector: missing KV is recomputed", _kv_store),
 )  # fmt: skip

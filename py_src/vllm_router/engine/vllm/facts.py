@@ -74,7 +74,25 @@ def pd_connector(kv: Any) -> tuple[str, str]:
     return str(movers[0]["kv_connector"]), str(movers[0].get("engine_id") or engine_id)
 
 
-def model_facts(llm: AsyncLLM, model_defaults: dict[str, Any]) -> ModelFacts:
+def media_limits(llm: AsyncLLM) -> dict[str, int]:
+    """Modality -> items per prompt at most: what the model's processor takes, capped by
+    --limit-mm-per-prompt (a modality limited to 0 is not taken)."""
+    model_config = llm.vllm_config.model_config
+    mm_config = model_config.multimodal_config
+    if not model_config.is_multimodal_model or mm_config is None:
+        return {}
+    supported = llm.renderer.get_mm_processor().info.get_supported_mm_limits()
+    limits = {}
+    for modality, most in supported.items():
+        limit = mm_config.get_limit_per_prompt(modality)
+        if most is not None:
+            limit = min(limit, most)
+        if limit > 0:
+            limits[modality] = limit
+    return limits
+
+
+def model_facts(llm: AsyncLLM, model_defaults: dict[str, Any], *, media: bool = True) -> ModelFacts:
     import vllm
 
     vllm_config = llm.vllm_config
@@ -114,4 +132,7 @@ def model_facts(llm: AsyncLLM, model_defaults: dict[str, Any]) -> ModelFacts:
         kv_engine_id=kv_engine_id,
         kv_cache_dtype=str(vllm_config.cache_config.cache_dtype or ""),
         model_dtype=str(model_config.dtype),
+        media_limits=media_limits(llm) if media else {},
+        allowed_media_domains=tuple(model_config.allowed_media_domains or ()),
+        allowed_local_media_path=model_config.allowed_local_media_path or "",
     )
