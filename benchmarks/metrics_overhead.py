@@ -13,8 +13,8 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 
+from vllm_router.core.flight import Flight
 from vllm_router.core.metrics import ServicerMetrics
-from vllm_router.core.requests import Flight
 from vllm_router.engine import EngineStep
 
 MESSAGES = 200_000
