@@ -151,7 +151,7 @@ async def test_http_urls_only_to_allowed_hosts_with_a_size_limit(start_mock: Sta
         ([{"modality": "image", "url": "data:image/png;base64,@@@"}], [IMAGE_TOKEN],
          grpc.StatusCode.INVALID_ARGUMENT, "base64"),
         ([{"modality": "audio", "data": b"RIFF"}], [IMAGE_TOKEN],
-         grpc.StatusCode.INVALID_ARGUMENT, "modality 'audio' is not supported"),
+         grpc.StatusCode.INVALID_ARGUMENT, "modality 'audio' is not taken"),
         ([{"modality": "image", "data": b"x"}] * 3, [IMAGE_TOKEN] * 3,
          grpc.StatusCode.INVALID_ARGUMENT, "at most 2 per prompt"),
         ([{"modality": "image", "data": b"x"}] * 2, [IMAGE_TOKEN],

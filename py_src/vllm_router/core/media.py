@@ -85,7 +85,7 @@ def check_media_counts(request: GenerationRequest, facts: ModelFacts) -> None:
         if limit is None:
             takes = ", ".join(sorted(facts.media_limits)) or "no media (a text-only model)"
             raise InvalidRequest(
-                f"{field_name}: modality {modality!r} is not supported by this model; "
+                f"{field_name}: modality {modality!r} is not taken by this worker's model; "
                 f"it takes {takes}"
             )
         if count > limit:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from prometheus_client.registry import Collector
 
-from ...errors import EngineDead, InvalidRequest, NotConfigured
+from ...errors import EngineDead, NotConfigured
 from ..types import (
     Embedding,
     EngineStep,
@@ -276,10 +276,6 @@ class VllmEngine:
     ) -> AsyncGenerator[EngineStep, None]:
         """A prompt with media: processed off the event loop first; its expanded ids then
         size the request (the default max_tokens, the usage counts) as any prompt's."""
-        if not self._facts.media_limits:
-            raise InvalidRequest(
-                f"{request.media_field}: this model takes no media (a text-only model)"
-            )
         if request.processed_media:
             engine_input = await processed_input(self._llm, ids, request)
         else:

@@ -74,9 +74,14 @@ def pd_connector(kv: Any) -> tuple[str, str]:
     return str(movers[0]["kv_connector"]), str(movers[0].get("engine_id") or engine_id)
 
 
+# The modalities this worker decodes (engine/vllm/media.py); a model's others (video,
+# audio) are not advertised, so a router does not send them.
+SERVED_MODALITIES = ("image",)
+
+
 def media_limits(llm: AsyncLLM) -> dict[str, int]:
     """Modality -> items per prompt at most: what the model's processor takes, capped by
-    --limit-mm-per-prompt (a modality limited to 0 is not taken)."""
+    --limit-mm-per-prompt (a modality limited to 0 is not taken), of those served here."""
     model_config = llm.vllm_config.model_config
     mm_config = model_config.multimodal_config
     if not model_config.is_multimodal_model or mm_config is None:
@@ -84,6 +89,8 @@ def media_limits(llm: AsyncLLM) -> dict[str, int]:
     supported = llm.renderer.get_mm_processor().info.get_supported_mm_limits()
     limits = {}
     for modality, most in supported.items():
+        if modality not in SERVED_MODALITIES:
+            continue
         limit = mm_config.get_limit_per_prompt(modality)
         if most is not None:
             limit = min(limit, most)
