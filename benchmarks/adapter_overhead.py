@@ -1,8 +1,10 @@
 """The adapter's own output path, in-process (no gRPC): CPU per token of the same requests
 through `VllmEngine.generate` on its two output paths, alternated; best and median of each.
 
-`lean` takes a request's tokens from vLLM's OutputProcessor without RequestOutputs
-(engine/vllm/lean.py); `vllm` reads AsyncLLM.generate's RequestOutputs. The engine core
+`fast` takes a token-only request's plain decode steps from the engine core's outputs in
+one loop (engine/vllm/fast_outputs.py), the rest as `lean`; `lean` takes a request's
+tokens from vLLM's OutputProcessor without RequestOutputs (engine/vllm/lean.py); `vllm`
+reads AsyncLLM.generate's RequestOutputs. The engine core
 runs in its own process and is not counted; both paths share this process's engine.
 """
 
@@ -53,7 +55,8 @@ async def _run(
     await wave(2 * concurrency)  # warm-up
     for _ in range(rounds):
         for path in paths:
-            engine.lean_outputs = path == "lean"
+            engine.lean_outputs = path in ("fast", "lean")
+            engine.fast_outputs.enabled = path == "fast"
             cpu = time.process_time()
             tokens = await wave(requests)
             results[path].append((time.process_time() - cpu) * 1e6 / tokens)
@@ -75,28 +78,21 @@ async def main(args: argparse.Namespace) -> None:
     )
     try:
         for concurrency in args.concurrency:
+            paths = ["fast", "lean", "vllm"]
             results = await _run(
-                engine, ["lean", "vllm"], args.requests, concurrency, args.output_len, args.rounds
+                engine, paths, args.requests, concurrency, args.output_len, args.rounds
             )
-            best = {path: min(values) for path, values in results.items()}
             median = {path: statistics.median(values) for path, values in results.items()}
-            print(
-                json.dumps(
-                    {
-                        "concurrency": concurrency,
-                        "cpu_us_per_token": {
-                            path: [round(v, 1) for v in values] for path, values in results.items()
-                        },
-                        "best_lean": round(best["lean"], 1),
-                        "best_vllm": round(best["vllm"], 1),
-                        "best_lean_vs_vllm": round(best["lean"] / best["vllm"], 3),
-                        "median_lean": round(median["lean"], 1),
-                        "median_vllm": round(median["vllm"], 1),
-                        "median_lean_vs_vllm": round(median["lean"] / median["vllm"], 3),
-                    }
-                ),
-                flush=True,
-            )
+            line: dict[str, Any] = {
+                "concurrency": concurrency,
+                "cpu_us_per_token": {
+                    path: [round(v, 1) for v in values] for path, values in results.items()
+                },
+            }
+            for path in paths:
+                line[f"median_{path}"] = round(median[path], 1)
+                line[f"median_{path}_vs_vllm"] = round(median[path] / median["vllm"], 3)
+            print(json.dumps(line), flush=True)
     finally:
         await engine.shutdown()
 

@@ -105,8 +105,14 @@ async def test_lean_steps_equal_request_output_steps(real: Harness, name: str) -
     detokenize, options = CASES[name]
     options = await _case_options(real, name, options)
     reference = await run(real, False, generation(f"ref-{name}", detokenize=detokenize, **options))
+    fast_before = real.engine.fast_outputs.fast_steps
     lean = await run(real, True, generation(f"lean-{name}", detokenize=detokenize, **options))
     assert outcome(lean) == outcome(reference)
+    # Token-only requests take their plain decode steps on the fast path (fast_outputs.py):
+    # all but the first (prefill) and the last (finish) of every step the engine made.
+    fast = real.engine.fast_outputs.fast_steps - fast_before
+    tokens = outcome(lean)["usage"][1]
+    assert fast == (0 if detokenize else max(0, tokens - 2)), (fast, tokens)
     if name.startswith("stop"):
         assert outcome(lean)["finish_reason"] == "stop"
         assert outcome(lean)["usage"][1] < options["max_tokens"]
@@ -172,6 +178,10 @@ async def test_grpc_clients_on_the_lean_path_are_cancelled_and_counted(real: Har
     assert (
         delta(before, after, "vllm:request_success_total", finished_reason="length", **labels) == 4
     )
+    # One time-to-first-token and 11 inter-token latencies per request, whichever path
+    # (vLLM's or the fast one) each step took.
+    assert delta(before, after, "vllm:time_to_first_token_seconds_count", **labels) == 4
+    assert delta(before, after, "vllm:inter_token_latency_seconds_count", **labels) == 44
 
     call = real.stub.GenerateStream(request(PROMPT, max_tokens=200, ignore_eos=True))
     await call.read()

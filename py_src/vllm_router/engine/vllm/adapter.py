@@ -28,6 +28,7 @@ from ..types import (
 )
 from .compat import (
     ENGINE_SERIES,
+    FAST_OUTPUTS,
     KV_EVENT_ENDPOINT,
     LEAN_OUTPUTS,
     MEDIA,
@@ -36,6 +37,7 @@ from .compat import (
     check_touch_points,
 )
 from .facts import model_facts, read_tokenizer_files
+from .fast_outputs import FastOutputs
 from .generate import VllmCall, lean_steps, request_output_steps
 from .kv_events import kv_event_batches
 from .lean import lean_eligible
@@ -64,6 +66,14 @@ class VllmEngine:
         # (lean.py); off when asked, or when this vLLM lacks the hand-off points.
         self.lean_outputs = lean_outputs and LEAN_OUTPUTS in self.features
         self.lean_streams = 0  # requests served on the lean path (for tests and debugging)
+        # Token-only requests' decode steps without vLLM's per-request output work.
+        self.fast_outputs: FastOutputs | None = None
+        if self.lean_outputs and FAST_OUTPUTS in self.features:
+            from vllm import envs
+
+            self.fast_outputs = FastOutputs(
+                llm.output_processor, count_nans=bool(envs.VLLM_COMPUTE_NANS_IN_LOGITS)
+            )
         self._board = board
         self._prometheus = capture_engine_registry(ENGINE_SERIES in self.features)
         model_config = llm.vllm_config.model_config
@@ -268,7 +278,7 @@ class VllmEngine:
         )
         if self.lean_outputs and lean_eligible(options, params.n):
             self.lean_streams += 1
-            return lean_steps(self._llm, call)
+            return lean_steps(self._llm, call, self.fast_outputs)
         return request_output_steps(self._llm, call, options)
 
     async def _media_steps(

@@ -12,13 +12,12 @@ line, the checks decide.
 
 from __future__ import annotations
 
-import ast
-import inspect
 import logging
-import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+from .introspect import assigned_attributes, missing, parameters
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +33,7 @@ TOKENIZE = "text prompt tokenization"
 RENDER = "prompt rendering"
 KV_STORE = "SharedStorageConnector's strict loads"
 MEDIA = "images and other media"
+FAST_OUTPUTS = "token-only decode steps without vLLM's per-request output work"
 # The connector's name in a kv_transfer_config (kv_store.py).
 KV_STORE_CONNECTOR = "SharedStorageConnector"
 
@@ -53,38 +53,13 @@ SCHEDULER_STATS_FIELDS = (
 )  # fmt: skip
 
 
-def parameters(function: Any) -> tuple[str, ...]:
-    """The parameter names of `function`, without `self`."""
-    names = tuple(inspect.signature(function).parameters)
-    return names[1:] if names[:1] == ("self",) else names
-
-
-def assigned_attributes(cls: type) -> set[str]:
-    """The `self.X` attributes `cls.__init__` assigns (read from its source)."""
-    source = textwrap.dedent(inspect.getsource(cls.__init__))  # type: ignore[misc]
-    return {
-        target.attr
-        for node in ast.walk(ast.parse(source))
-        if isinstance(node, (ast.Assign, ast.AnnAssign))
-        for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
-        if isinstance(target, ast.Attribute)
-        and isinstance(target.value, ast.Name)
-        and target.value.id == "self"
-    }
-
-
-def _missing(have: tuple[str, ...] | set[str], want: tuple[str, ...]) -> str | None:
-    absent = [name for name in want if name not in have]
-    return f"lacks {', '.join(absent)}" if absent else None
-
-
 def _make_request_output(llm: Any) -> str | None:
     from vllm.v1.engine.output_processor import RequestState
 
     have = parameters(RequestState.make_request_output)
     if have != MAKE_REQUEST_OUTPUT_PARAMS:
         return f"takes ({', '.join(have)}), expected ({', '.join(MAKE_REQUEST_OUTPUT_PARAMS)})"
-    return _missing(
+    return missing(
         assigned_attributes(RequestState),
         ("queue", "detokenizer", "stream_interval", "num_cached_tokens"),
     )
@@ -104,11 +79,11 @@ def _request_states(llm: Any) -> str | None:
 def _add_request(llm: Any) -> str | None:
     from vllm.v1.engine.output_processor import RequestOutputCollector
 
-    problem = _missing(parameters(type(llm).add_request), ("request_id", "prompt", "params",
+    problem = missing(parameters(type(llm).add_request), ("request_id", "prompt", "params",
                                                            *REQUEST_KEYWORDS))  # fmt: skip
-    problem = problem or _missing(parameters(type(llm).abort), ("request_id", "internal"))
+    problem = problem or missing(parameters(type(llm).abort), ("request_id", "internal"))
     collector = {*dir(RequestOutputCollector), *assigned_attributes(RequestOutputCollector)}
-    return problem or _missing(collector, ("request_id", "get_nowait", "close"))
+    return problem or missing(collector, ("request_id", "get_nowait", "close"))
 
 
 def _detokenizer(llm: Any) -> str | None:
@@ -128,8 +103,8 @@ def _collector_to_names(llm: Any) -> str | None:
 def _bind_endpoint(llm: Any) -> str | None:
     from vllm.distributed.kv_events import ZmqEventPublisher
 
-    problem = _missing(parameters(ZmqEventPublisher._is_bind_endpoint), ("endpoint",))
-    return problem or _missing(
+    problem = missing(parameters(ZmqEventPublisher._is_bind_endpoint), ("endpoint",))
+    return problem or missing(
         parameters(ZmqEventPublisher.offset_endpoint_port), ("endpoint", "data_parallel_rank")
     )
 
@@ -138,24 +113,52 @@ def _stat_logger(llm: Any) -> str | None:
     from vllm.v1.metrics.loggers import StatLoggerBase
     from vllm.v1.metrics.stats import SchedulerStats
 
-    problem = _missing(parameters(StatLoggerBase.record), STAT_RECORD_PARAMS)
+    problem = missing(parameters(StatLoggerBase.record), STAT_RECORD_PARAMS)
     fields = set(getattr(SchedulerStats, "__dataclass_fields__", {}))
-    return problem or _missing(fields, SCHEDULER_STATS_FIELDS)
+    return problem or missing(fields, SCHEDULER_STATS_FIELDS)
 
 
 def _renderer_tokenize(llm: Any) -> str | None:
     renderer = getattr(llm, "renderer", None)
     if renderer is None:
         return "AsyncLLM has no renderer"
-    problem = _missing(parameters(type(renderer).tokenize_prompt_async), ("prompt", "params"))
-    return problem or _missing(set(dir(type(renderer))), ("default_cmpl_tok_params",))
+    problem = missing(parameters(type(renderer).tokenize_prompt_async), ("prompt", "params"))
+    return problem or missing(set(dir(type(renderer))), ("default_cmpl_tok_params",))
 
 
 def _renderer_process(llm: Any) -> str | None:
     renderer = getattr(llm, "renderer", None)
     if renderer is None:
         return "AsyncLLM has no renderer"
-    return _missing(parameters(type(renderer).process_for_engine), ("prompt", "arrival_time"))
+    return missing(parameters(type(renderer).process_for_engine), ("prompt", "arrival_time"))
+
+
+def _fast_outputs(llm: Any) -> str | None:
+    from vllm.v1.engine import EngineCoreOutput
+    from vllm.v1.engine.detokenizer import IncrementalDetokenizer as Detokenizer
+    from vllm.v1.engine.output_processor import RequestState
+    from vllm.v1.metrics.stats import IterationStats, RequestStateStats
+
+    from .fast_outputs import EXTRAS
+
+    problem = missing(
+        parameters(type(llm.output_processor).process_outputs),
+        ("engine_core_outputs", "engine_core_timestamp", "iteration_stats", "weight_version"),
+    )
+    problem = problem or missing(
+        EngineCoreOutput.__struct_fields__, ("request_id", "new_token_ids", *EXTRAS)
+    )
+    problem = problem or missing(
+        assigned_attributes(IterationStats), ("num_generation_tokens", "inter_token_latencies_iter")
+    )
+    problem = problem or missing(
+        set(RequestStateStats.__dataclass_fields__), ("num_generation_tokens", "last_token_ts")
+    )
+    problem = problem or missing(assigned_attributes(Detokenizer), ("token_ids",))
+    return problem or missing(assigned_attributes(RequestState),
+                               ("is_prefilling", "stats", "detokenizer",
+                                "weight_version_starts")) or missing(
+        set(dir(RequestState)), ("track_weight_version",))  # fmt: skip
 
 
 def _media(llm: Any) -> str | None:
@@ -166,19 +169,19 @@ def _media(llm: Any) -> str | None:
     if not llm.model_config.is_multimodal_model:
         return None  # a text-only model: nothing to check
     renderer = type(llm.renderer)
-    problem = _missing(
+    problem = missing(
         parameters(renderer.process_for_engine_async), ("prompt", "arrival_time", "skip_mm_cache")
     )
-    problem = problem or _missing(set(dir(renderer)), ("get_mm_processor",))
-    problem = problem or _missing(parameters(inputs.mm_input), (
+    problem = problem or missing(set(dir(renderer)), ("get_mm_processor",))
+    problem = problem or missing(parameters(inputs.mm_input), (
         "prompt_token_ids", "mm_kwargs", "mm_hashes", "mm_placeholders"))  # fmt: skip
-    problem = problem or _missing(parameters(MultiModalKwargsItems.from_hf_inputs),
+    problem = problem or missing(parameters(MultiModalKwargsItems.from_hf_inputs),
                                   ("hf_inputs", "config_by_key"))  # fmt: skip
-    problem = problem or _missing(set(dir(MultiModalFieldConfig)),
+    problem = problem or missing(set(dir(MultiModalFieldConfig)),
                                   ("batched", "flat_from_sizes", "shared"))  # fmt: skip
     processor = llm.renderer.get_mm_processor()
-    problem = problem or _missing(set(dir(processor)), ("_get_mm_fields_config", "info"))
-    return problem or _missing(set(dir(ImageMediaIO)), ("load_bytes",))
+    problem = problem or missing(set(dir(processor)), ("_get_mm_fields_config", "info"))
+    return problem or missing(set(dir(ImageMediaIO)), ("load_bytes",))
 
 
 def kv_store_problem() -> str | None:
@@ -186,13 +189,13 @@ def kv_store_problem() -> str | None:
     from vllm.distributed.kv_transfer.kv_connector.v1 import example_connector as example
 
     connector = example.ExampleConnector
-    problem = _missing(set(dir(connector)), (
+    problem = missing(set(dir(connector)), (
         "_get_connector_metadata", "_generate_filename_debug", "_found_match_for_request",
         "get_num_new_matched_tokens", "request_finished", "start_load_kv",
         "get_block_ids_with_load_errors",
-    )) or _missing(assigned_attributes(connector), ("_block_size",))  # fmt: skip
+    )) or missing(assigned_attributes(connector), ("_block_size",))  # fmt: skip
     fields = set(getattr(example.ReqMeta, "__dataclass_fields__", {}))
-    problem = problem or _missing(fields, ("token_ids", "slot_mapping", "is_store", "mm_hashes"))
+    problem = problem or missing(fields, ("token_ids", "slot_mapping", "is_store", "mm_hashes"))
     if problem is None and not callable(getattr(example, "align_to_block_size", None)):
         problem = "example_connector.align_to_block_size is gone"
     return problem and f"vLLM's ExampleConnector {problem}"
@@ -235,6 +238,9 @@ TOUCH_POINTS = (
                "the tokenizer's encode (special tokens added)", _renderer_tokenize),
     TouchPoint("renderer.process_for_engine", RENDER,
                "a token prompt handed to AsyncLLM as is", _renderer_process),
+    TouchPoint("OutputProcessor.process_outputs, EngineCoreOutput and the stats it updates",
+               FAST_OUTPUTS, "every step through vLLM's process_outputs (lean outputs)",
+               _fast_outputs),
     TouchPoint("renderer multimodal processing, mm_input, MultiModalKwargsItems, ImageMediaIO",
                MEDIA, "media requests are refused (the model is served as text-only)", _media),
     TouchPoint("ExampleConnector internals (configured connectors only)", KV_STORE,

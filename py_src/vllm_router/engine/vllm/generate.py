@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..types import EngineStep, SamplingOptions
+from .fast_outputs import FastOutputs
 from .lean import LeanStream
 from .params import convert_logprobs, convert_prompt_logprobs, finish_of, reraise
 
@@ -36,7 +37,11 @@ class VllmCall:
     detokenize: bool
 
 
-async def lean_steps(llm: AsyncLLM, call: VllmCall) -> AsyncGenerator[EngineStep, None]:
+async def lean_steps(
+    llm: AsyncLLM, call: VllmCall, fast: FastOutputs | None = None
+) -> AsyncGenerator[EngineStep, None]:
+    """A lean request's steps; with `fast`, a token-only one's decode steps skip vLLM's
+    per-request output work (fast_outputs.py)."""
     try:
         queue = await llm.add_request(call.request_id, call.prompt, call.params, **call.options)
     except Exception as exc:
@@ -61,6 +66,8 @@ async def lean_steps(llm: AsyncLLM, call: VllmCall) -> AsyncGenerator[EngineStep
             stream.absorb(early)
         elif state is None:
             raise RuntimeError(f"vLLM dropped request {call.request_id} before its first output")
+        if fast is not None and not call.detokenize:
+            fast.register(queue.request_id, stream)
         finished = False
         while not finished:
             try:
@@ -70,6 +77,8 @@ async def lean_steps(llm: AsyncLLM, call: VllmCall) -> AsyncGenerator[EngineStep
             finished = step.finished
             yield step
     finally:
+        if fast is not None:
+            fast.unregister(queue.request_id)
         # A consumer that left early (client gone, cancelled, a failure here) ends the
         # request in the engine, as AsyncLLM.generate does.
         if (stream is None or not stream.finished) and not llm.errored:
