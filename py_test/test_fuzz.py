@@ -11,6 +11,8 @@ import grpc
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
+from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vpb_grpc
 
 from vllm_router.proto import vllm_engine_pb2 as pb
 from vllm_router.proto import vllm_engine_pb2_grpc as pb_grpc
@@ -184,5 +186,84 @@ async def test_fuzzed_requests_never_break_the_server(start_mock: StartServer, f
     figures(f"{2 * EXAMPLES} fuzzed requests and byte strings; status codes seen: {seen}")
     health = await mock.stub.HealthCheck(pb.HealthCheckRequest())
     assert health.status == pb.HealthCheckResponse.SERVING
+    assert mock.server.requests.in_flight == frozenset()
+    assert mock.engine.load().running_requests == 0
+
+
+# vLLM's contract: media_refs and mm_inputs as a router could send them, and worse.
+tensor_data = st.builds(
+    vpb.TensorData,
+    shape=st.lists(st.integers(0, 4), max_size=3),
+    dtype=st.sampled_from(["float32", "bfloat16", "int64", "uint32", "complex64", ""]),
+    inline=st.binary(max_size=64),
+)
+mm_batches = st.builds(
+    vpb.MultimodalInputs,
+    pixel_values=tensor_data,
+    model_specific_tensors=st.dictionaries(st.sampled_from(["num_patches", "x"]), tensor_data,
+                                           max_size=2),
+    mm_placeholders=st.lists(st.builds(vpb.PlaceholderRange, offset=st.integers(0, 20),
+                                       length=st.integers(0, 8)), max_size=3),
+    mm_hashes=st.lists(st.text(max_size=3), max_size=3),
+    batched_keys=st.lists(st.sampled_from(["pixel_values", "num_patches"]), max_size=2),
+    flat_keys=st.dictionaries(st.just("pixel_values"), st.sampled_from(["num_patches", "gone"]),
+                              max_size=1),
+    modality=st.sampled_from([0, 1, 2, 3, 7]),
+)  # fmt: skip
+ref_urls = st.sampled_from([
+    "data:image/png;base64,iVBORw0KGgo=", "data:,x", "http://127.0.0.1:1/x", "file:///etc/passwd",
+    "", "nonsense",
+])  # fmt: skip
+media_refs = st.builds(
+    vpb.MediaRefs,
+    items=st.lists(
+        st.builds(vpb.MediaRef, modality=st.sampled_from([0, 1, 3, 9]), url=ref_urls), max_size=3
+    ),
+)
+
+
+@st.composite
+def vllm_media_requests(draw: st.DrawFn) -> vpb.GenerateRequest:
+    request = vpb.GenerateRequest(
+        tokenized=vpb.TokenizedInput(input_ids=draw(st.lists(st.integers(0, 40), max_size=12))),
+        sampling_params=vpb.SamplingParams(max_tokens=2),
+        stream=draw(st.booleans()),
+    )
+    if draw(st.booleans()):
+        request.media_refs.CopyFrom(draw(media_refs))
+    if draw(st.booleans()):
+        request.mm_inputs.CopyFrom(draw(mm_batches))
+    if draw(st.integers(0, 3)) == 0:
+        request.extra_mm_inputs.append(draw(mm_batches))
+    return request
+
+
+@pytest.mark.timeout(600)
+async def test_fuzzed_vllm_media_never_breaks_the_server(start_mock: StartServer) -> None:
+    mock = await start_mock(image_token_id=IMAGE_TOKEN, max_images=2)
+
+    def fuzz() -> dict[str, int]:
+        seen: dict[str, int] = {}
+        with grpc.insecure_channel(mock.address) as channel:
+            stub = vpb_grpc.VllmEngineStub(channel)
+
+            @FUZZ
+            @given(vllm_media_requests())
+            def requests(request: vpb.GenerateRequest) -> None:
+                try:
+                    for _ in stub.Generate(request, timeout=10):
+                        pass
+                    code, details = grpc.StatusCode.OK, ""
+                except grpc.RpcError as err:
+                    code, details = err.code(), err.details()
+                seen[code.name] = seen.get(code.name, 0) + 1
+                assert code in ALLOWED, (code, details, request)
+                assert code == grpc.StatusCode.OK or details, (code, request)
+
+            requests()
+        return seen
+
+    seen = await asyncio.to_thread(fuzz)
+    assert seen.get("INVALID_ARGUMENT", 0) > 0
     assert mock.server.requests.in_flight == frozenset()
     assert mock.engine.load().running_requests == 0
