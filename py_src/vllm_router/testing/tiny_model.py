@@ -20,6 +20,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -121,28 +122,43 @@ def _build(out: Path, generation_defaults: dict[str, Any]) -> None:
     model.save_pretrained(out, safe_serialization=True)
 
 
+def build_once(
+    out_dir: str | os.PathLike[str], name: str, fingerprint: str, build: Callable[[Path], None]
+) -> Path:
+    """`build(directory)` into `out_dir` unless a build with this fingerprint is there.
+
+    Built in a staging directory and renamed into place: a half-built checkpoint is
+    never reused. `name` names the marker file and the staging directory.
+    """
+    out = Path(out_dir).resolve()
+    marker = out / f".{name}-fingerprint"
+    if marker.exists() and marker.read_text() == fingerprint:
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=out.parent))
+    try:
+        build(staging)
+        (staging / marker.name).write_text(fingerprint)
+        if out.exists():
+            shutil.rmtree(out)
+        staging.rename(out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return out
+
+
 def build_tiny_model(out_dir: str | os.PathLike[str], **generation_defaults: Any) -> Path:
     """Build (or reuse) the checkpoint in `out_dir`; returns its path.
 
     `generation_defaults` (e.g. temperature=0.7) go into generation_config.json,
     which vLLM applies to sampling fields a request leaves unset.
     """
-    out = Path(out_dir).resolve()
-    fingerprint = _fingerprint(generation_defaults)
-    marker = out / ".tiny-model-fingerprint"
-    if marker.exists() and marker.read_text() == fingerprint:
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".tiny-model-", dir=out.parent))
-    try:
-        _build(staging, generation_defaults)
-        (staging / marker.name).write_text(fingerprint)
-        if out.exists():
-            shutil.rmtree(out)
-        staging.rename(out)  # atomic: a half-built model is never reused
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return out
+    return build_once(
+        out_dir,
+        "tiny-model",
+        _fingerprint(generation_defaults),
+        lambda staging: _build(staging, generation_defaults),
+    )
 
 
 def main() -> None:

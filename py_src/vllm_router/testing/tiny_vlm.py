@@ -24,8 +24,6 @@ import argparse
 import hashlib
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 from vllm_router.testing import tiny_model
@@ -145,22 +143,7 @@ def _build(out: Path) -> None:
 
 def build_tiny_vlm(out_dir: str | os.PathLike[str]) -> Path:
     """Build (or reuse) the checkpoint in `out_dir`; returns its path."""
-    out = Path(out_dir).resolve()
-    fingerprint = _fingerprint()
-    marker = out / ".tiny-vlm-fingerprint"
-    if marker.exists() and marker.read_text() == fingerprint:
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".tiny-vlm-", dir=out.parent))
-    try:
-        _build(staging)
-        (staging / marker.name).write_text(fingerprint)
-        if out.exists():
-            shutil.rmtree(out)
-        staging.rename(out)  # atomic: a half-built model is never reused
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return out
+    return tiny_model.build_once(out_dir, "tiny-vlm", _fingerprint(), _build)
 
 
 def main() -> None:
