@@ -11,7 +11,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "py_src" / "vllm_router"
 TESTS = ROOT / "py_test"
-MAX_LINES = 300
+# A backstop, not a target: a module is as long as its one concern needs.
+MAX_LINES = 600
 # Lower layers never import higher ones (engines know nothing of gRPC contracts,
 # contracts nothing of the server that hosts them).
 LAYERS = [

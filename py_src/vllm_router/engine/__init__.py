@@ -1,11 +1,11 @@
 """Engines behind the servicers: the protocol, its neutral types, and the adapters.
 
-`vllm.py` adapts vLLM's AsyncLLM (imported lazily); the mock lives in
+`vllm/` adapts vLLM's AsyncLLM (imported lazily); the mock lives in
 `vllm_router.testing`. Nothing in this package imports gRPC contracts.
 """
 
 from .media import DTYPE_SIZES, MediaItem, ProcessedMedia, RawTensor
-from .protocol import AsyncEngine
+from .protocol import AsyncEngine, PauseMode
 from .types import (
     NEUTRAL_DEFAULT,
     Embedding,
@@ -16,6 +16,7 @@ from .types import (
     KvBlocksStored,
     KvCacheCleared,
     KvEventBatch,
+    KvEventSource,
     LoadSnapshot,
     LoraAdapter,
     ModelFacts,
@@ -37,10 +38,12 @@ __all__ = [
     "KvBlocksStored",
     "KvCacheCleared",
     "KvEventBatch",
+    "KvEventSource",
     "LoadSnapshot",
     "LoraAdapter",
     "MediaItem",
     "ModelFacts",
+    "PauseMode",
     "ProcessedMedia",
     "RankLoad",
     "RawTensor",

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator
-from typing import Protocol, runtime_checkable
+from typing import Literal, Protocol, runtime_checkable
 
 from prometheus_client.registry import Collector
 
@@ -12,11 +12,15 @@ from .types import (
     EngineStep,
     GenerationRequest,
     KvEventBatch,
+    KvEventSource,
     LoadSnapshot,
     LoraAdapter,
     ModelFacts,
     RankLoad,
 )
+
+# What happens to requests in flight when the engine pauses (vLLM's PauseMode).
+PauseMode = Literal["abort", "wait", "keep"]
 
 
 @runtime_checkable
@@ -85,6 +89,29 @@ class AsyncEngine(Protocol):
     def kv_events(self) -> AsyncGenerator[KvEventBatch, None]:
         """The engine's prefix-cache events as they happen; NotConfigured when not published."""
         ...
+
+    def kv_event_sources(self) -> list[KvEventSource]:
+        """The engine's own KV-event publishers, one per data-parallel rank (empty when it
+        publishes none, or none a subscriber here could reach)."""
+        ...
+
+    async def pause(self, mode: PauseMode, clear_cache: bool) -> None:
+        """Stop scheduling: requests in flight are aborted, run to their end (wait) or
+        frozen until `resume` (keep); new ones queue."""
+        ...
+
+    async def resume(self) -> None: ...
+
+    async def is_paused(self) -> bool: ...
+
+    async def sleep(self, level: int, mode: PauseMode) -> None:
+        """Free the weights (level 2) or offload them (1) and the KV cache; NotConfigured
+        without sleep mode."""
+        ...
+
+    async def wake_up(self, tags: list[str] | None) -> None: ...
+
+    async def is_sleeping(self) -> bool: ...
 
     async def start_profile(self) -> None:
         """Start the engine's profiler; NotConfigured when none was configured."""

@@ -63,8 +63,11 @@ class SamplingOptions:
     include_stop_str_in_output: bool | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
-    # Most likely alternatives returned with each token's logprob; None: no logprobs.
+    # Most likely alternatives returned with each token's logprob (-1: the whole
+    # vocabulary); None: no logprobs.
     logprobs: int | None = None
+    # These tokens' logprobs at every generated position, whatever their rank.
+    logprob_token_ids: tuple[int, ...] = ()
     n: int | None = None
     logit_bias: Mapping[int, float] | None = None
     allowed_token_ids: tuple[int, ...] = ()
@@ -106,14 +109,23 @@ class GenerationRequest:
     media: tuple[MediaItem, ...] = ()
     processed_media: tuple[ProcessedMedia, ...] = ()
     media_field: str = "multimodal_data"
+    # Mixed into the prefix-cache hashes: only requests with the same salt share blocks.
+    cache_salt: str | None = None
+    # Compute the whole prompt: read nothing from the prefix cache.
+    skip_prefix_cache: bool = False
 
 
 @dataclass(frozen=True, slots=True)
 class TokenLogprob:
     token_id: int
     logprob: float
-    # (token id, logprob) of the most likely tokens, most likely first.
+    # (token id, logprob) of the most likely tokens, most likely first (or of the tokens
+    # asked for by id, in the order asked).
     top: tuple[tuple[int, float], ...] = ()
+    # The token's rank in the distribution (1: the most likely); None where unknown.
+    rank: int | None = None
+    # Each `top` entry's rank, where the engine reports them.
+    top_ranks: tuple[int, ...] = ()
 
 
 @dataclass(slots=True)
@@ -178,6 +190,13 @@ class ModelFacts:
     # Where media URLs may point (vLLM's --allowed-media-domains / --allowed-local-media-path).
     allowed_media_domains: tuple[str, ...] = ()
     allowed_local_media_path: str = ""
+    # The engine's shape, as a router reads it (0: unknown).
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    total_kv_blocks: int = 0  # per rank
+    max_batched_tokens: int = 0
+    max_loras: int = 0
+    sleep_mode: bool = False  # --enable-sleep-mode
 
 
 @dataclass(frozen=True, slots=True)
@@ -205,6 +224,21 @@ class Embedding:
 class LoraAdapter:
     name: str
     path: str
+    lora_id: int = 0  # the engine's id for it (0: unknown)
+
+
+@dataclass(frozen=True, slots=True)
+class KvEventSource:
+    """Where a subscriber reads one data-parallel rank's KV-cache events itself (the
+    engine's own publisher), and how they are framed."""
+
+    endpoint: str  # tcp://host:port or ipc://path
+    topic: str
+    dp_rank: int
+    replay_endpoint: str = ""
+    buffer_steps: int = 0
+    hwm: int = 0
+    max_queue_size: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -31,6 +31,11 @@ class ServerConfig:
         "also serve vLLM's official contract vllm.grpc.engine.VllmEngine (what `vllm serve "
         "--grpc` serves and the SMG router speaks) on the same port",
     )
+    vllm_native: bool = _opt(
+        True,
+        "also serve vLLM's native contract vllm.Inference + vllm.Control (what vllm-rs "
+        "--grpc-port serves and vllm-router speaks) on the same port",
+    )
     port: int = _opt(
         DEFAULT_PORT, "TCP port; 0 picks a free port and logs it; -1: none (needs --uds)"
     )

@@ -19,8 +19,15 @@ from ..contracts.vllm_engine_v1.servicer import SERVICE_NAME as ENGINE_V1_SERVIC
 from ..contracts.vllm_engine_v1.servicer import VllmEngineServicer
 from ..contracts.vllm_grpc_engine.servicer import SERVICE_NAME as VLLM_GRPC_SERVICE
 from ..contracts.vllm_grpc_engine.servicer import VllmGrpcServicer
+from ..contracts.vllm_native.servicer import (
+    CONTROL_SERVICE,
+    INFERENCE_SERVICE,
+    NativeControlServicer,
+    NativeInferenceServicer,
+)
 from ..core import ContractServicer, ServingCore
 from ..proto import vllm_engine_pb2_grpc as pb_grpc
+from ..proto import vllm_native_pb2_grpc as npb_grpc
 from .config import ServerConfig
 
 
@@ -40,6 +47,19 @@ CONTRACTS: tuple[ContractEntry, ...] = (
         VllmGrpcServicer,
         vpb_grpc.add_VllmEngineServicer_to_server,
         enabled=lambda config: config.vllm_grpc,
+    ),
+    # vLLM's native contract: two services, one plug-in (what vllm-router speaks).
+    ContractEntry(
+        INFERENCE_SERVICE,
+        NativeInferenceServicer,
+        npb_grpc.add_InferenceServicer_to_server,
+        enabled=lambda config: config.vllm_native,
+    ),
+    ContractEntry(
+        CONTROL_SERVICE,
+        NativeControlServicer,
+        npb_grpc.add_ControlServicer_to_server,
+        enabled=lambda config: config.vllm_native,
     ),
 )
 

@@ -30,6 +30,7 @@ def check_supported(s: SamplingOptions) -> None:
         name
         for name, value in (
             ("prompt_logprobs", s.prompt_logprobs),
+            ("logprob_token_ids", s.logprob_token_ids),
             ("allowed_token_ids", s.allowed_token_ids),
             ("bad_words", s.bad_words),
         )

@@ -34,13 +34,15 @@ from ..engine import (
     EngineStep,
     GenerationRequest,
     KvEventBatch,
+    KvEventSource,
     LoadSnapshot,
     LoraAdapter,
     ModelFacts,
+    PauseMode,
     RankLoad,
 )
 from ..engine.types import FinishReason
-from ..errors import EngineDead, InvalidRequest, Unsupported
+from ..errors import EngineDead, InvalidRequest, NotConfigured, Unsupported
 from .mock_config import MockConfig
 from .mock_decode import SampleDecoder, cached_prefix, check_supported, every_interval
 from .mock_load import load_of, rank_loads
@@ -48,6 +50,7 @@ from .mock_media import media_limits, prompt_with_media
 from .mock_sampling import mock_logprobs, validate_sampling
 
 NO_LORA = "the mock engine has no LoRA adapters"
+NO_SLEEP = "sleep mode is not enabled on this engine (the mock has none)"
 FAULT_ERROR = "mock engine fault injection (--mock-fault-finish-reason error)"
 
 
@@ -59,6 +62,8 @@ class _Request:
     aborted: bool = False
     running: bool = False
     generated: int = 0
+    # Admitted before a pause in "wait" mode: runs to its end while others are held.
+    through_pause: bool = False
 
 
 class MockAsyncEngine:
@@ -92,6 +97,10 @@ class MockAsyncEngine:
         # Recent requests that ended without finishing (aborted or abandoned by the consumer).
         self.aborted_ids: deque[str] = deque(maxlen=10_000)
         self.last_request: GenerationRequest | None = None
+        # Set while generation runs; cleared by `pause` (new and kept requests wait).
+        self._running = asyncio.Event()
+        self._running.set()
+        self._pause_drained = asyncio.Event()  # set when no request runs through a pause
 
     # -- protocol ---------------------------------------------------------------------------------
 
@@ -160,6 +169,38 @@ class MockAsyncEngine:
     async def start_profile(self) -> None:
         raise Unsupported("the mock engine has no profiler")
 
+    def kv_event_sources(self) -> list[KvEventSource]:
+        return []  # it publishes none
+
+    async def pause(self, mode: PauseMode, clear_cache: bool) -> None:
+        self._running.clear()
+        if mode == "abort":
+            for request_id in list(self._requests):
+                await self.abort(request_id)
+        elif mode == "wait":
+            for state in self._requests.values():
+                state.through_pause = True
+            self._pause_drained.clear()
+            if self._requests:
+                await self._pause_drained.wait()
+        if clear_cache:
+            self._cached_blocks.clear()
+
+    async def resume(self) -> None:
+        self._running.set()
+
+    async def is_paused(self) -> bool:
+        return not self._running.is_set()
+
+    async def sleep(self, level: int, mode: PauseMode) -> None:
+        raise NotConfigured(NO_SLEEP)
+
+    async def wake_up(self, tags: list[str] | None) -> None:
+        raise NotConfigured(NO_SLEEP)
+
+    async def is_sleeping(self) -> bool:
+        return False
+
     stop_profile = start_profile
 
     def check_sampling(self, request: GenerationRequest) -> None:
@@ -192,6 +233,8 @@ class MockAsyncEngine:
             if held:
                 self._slots.release()
             del self._requests[request.request_id]
+            if not any(r.through_pause for r in self._requests.values()):
+                self._pause_drained.set()
             if not finished and not state.aborted:
                 # The consumer went away: same bookkeeping as an abort.
                 self.aborted_ids.append(request.request_id)
@@ -227,6 +270,16 @@ class MockAsyncEngine:
             return False
         return got_slot
 
+    async def _paused_wait(self, state: _Request) -> None:
+        """Hold a request while generation is paused (until resumed, aborted or dead)."""
+        resumed = asyncio.ensure_future(self._running.wait())
+        woken = asyncio.ensure_future(state.wake.wait())
+        try:
+            await asyncio.wait({resumed, woken}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            resumed.cancel()
+            woken.cancel()
+
     def _die_if_due(self) -> None:
         self._tokens_produced += 1
         limit = self.config.die_after_tokens
@@ -244,6 +297,8 @@ class MockAsyncEngine:
             for i in range(s.n or 1)
         ]
         while active:
+            if not self._running.is_set() and not state.aborted and not state.through_pause:
+                await self._paused_wait(state)
             if self._dead is not None:
                 raise EngineDead(f"engine is dead: {self._dead}")
             if state.aborted:

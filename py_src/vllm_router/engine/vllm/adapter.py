@@ -8,19 +8,22 @@ vLLM internal the adapter touches is named and checked in compat.py.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import time
-from collections.abc import AsyncGenerator
-from typing import TYPE_CHECKING, Any, cast
+from collections.abc import AsyncGenerator, Awaitable
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from prometheus_client.registry import Collector
 
 from ...errors import EngineDead, NotConfigured
+from ..protocol import PauseMode
 from ..types import (
     Embedding,
     EngineStep,
     GenerationRequest,
     KvEventBatch,
+    KvEventSource,
     LoadSnapshot,
     LoraAdapter,
     ModelFacts,
@@ -39,7 +42,7 @@ from .compat import (
 from .facts import model_facts, read_tokenizer_files
 from .fast_outputs import FastOutputs
 from .generate import VllmCall, lean_steps, request_output_steps
-from .kv_events import kv_event_batches
+from .kv_events import kv_event_batches, kv_event_sources
 from .lean import lean_eligible
 from .lora import LoraRegistry
 from .media import media_input, processed_input
@@ -53,6 +56,7 @@ if TYPE_CHECKING:
     from vllm.v1.engine.async_llm import AsyncLLM
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class VllmEngine:
@@ -174,6 +178,50 @@ class VllmEngine:
             vllm_bind_rule=KV_EVENT_ENDPOINT in self.features,
         )
 
+    def kv_event_sources(self) -> list[KvEventSource]:
+        return kv_event_sources(
+            self._llm.vllm_config.kv_events_config,
+            self._facts.dp_size,
+            vllm_bind_rule=KV_EVENT_ENDPOINT in self.features,
+        )
+
+    async def pause(self, mode: PauseMode, clear_cache: bool) -> None:
+        await self._call(self._llm.pause_generation(mode=mode, clear_cache=clear_cache))
+
+    async def resume(self) -> None:
+        await self._call(self._llm.resume_generation())
+
+    async def is_paused(self) -> bool:
+        return bool(await self._call(self._llm.is_paused()))
+
+    async def sleep(self, level: int, mode: PauseMode) -> None:
+        self._require_sleep_mode()
+        await self._call(self._llm.sleep(level, mode))
+
+    async def wake_up(self, tags: list[str] | None) -> None:
+        self._require_sleep_mode()
+        await self._call(self._llm.wake_up(tags))
+
+    async def is_sleeping(self) -> bool:
+        return bool(await self._call(self._llm.is_sleeping()))
+
+    def _require_sleep_mode(self) -> None:
+        if not self._llm.vllm_config.model_config.enable_sleep_mode:
+            raise NotConfigured(
+                "sleep mode is not enabled on this engine (start it with --enable-sleep-mode, "
+                "on a platform that supports it)"
+            )
+
+    async def _call(self, operation: Awaitable[T]) -> T:
+        """An engine operation, its failures told as the servicer's errors."""
+        if self._llm.errored:
+            operation.close() if inspect.iscoroutine(operation) else None
+            raise EngineDead("vLLM engine is dead; retry on another worker")
+        try:
+            return await operation
+        except Exception as exc:
+            reraise(exc)
+
     async def start_profile(self) -> None:
         self._require_profiler()
         try:
@@ -208,10 +256,12 @@ class VllmEngine:
             reraise(exc)
         return list(prompt["prompt_token_ids"])  # type: ignore[typeddict-item]
 
-    def _engine_prompt(self, ids: list[int]) -> Any:
+    def _engine_prompt(self, ids: list[int], cache_salt: str | None = None) -> Any:
         """The prompt as vLLM's own completions server hands it over: rendered here, so a
         prompt that is already token ids takes no tokenizer work and no thread-pool hop."""
         prompt = cast("TokensPrompt", {"prompt_token_ids": ids})
+        if cache_salt:
+            prompt["cache_salt"] = cache_salt
         if RENDER not in self.features:
             return prompt
         return self._llm.renderer.process_for_engine(prompt, arrival_time=time.time())
@@ -241,6 +291,7 @@ class VllmEngine:
                 max_model_len=self._max_model_len,
                 detokenize=request.detokenize,
                 kv_transfer_params=request.kv_transfer_params,
+                skip_prefix_cache=request.skip_prefix_cache,
             )
         except Exception as exc:
             reraise(exc)
@@ -256,7 +307,7 @@ class VllmEngine:
             raise ValueError("VllmEngine.generate needs prompt_token_ids (tokenize text first)")
         if request.media or request.processed_media:
             return self._media_steps(request, ids)
-        return self._steps(request, ids, self._engine_prompt(ids))
+        return self._steps(request, ids, self._engine_prompt(ids, request.cache_salt))
 
     def _steps(
         self, request: GenerationRequest, ids: list[int], prompt: Any

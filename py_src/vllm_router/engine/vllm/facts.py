@@ -114,6 +114,7 @@ def model_facts(llm: AsyncLLM, model_defaults: dict[str, Any], *, media: bool = 
     served = model_config.served_model_name or model_config.model
     kv = vllm_config.kv_transfer_config
     kv_connector, kv_engine_id = pd_connector(kv)
+    parallel = vllm_config.parallel_config
     return ModelFacts(
         model_name=model_config.model,
         served_model_name=served if isinstance(served, str) else served[0],
@@ -140,6 +141,12 @@ def model_facts(llm: AsyncLLM, model_defaults: dict[str, Any], *, media: bool = 
         kv_cache_dtype=str(vllm_config.cache_config.cache_dtype or ""),
         model_dtype=str(model_config.dtype),
         media_limits=media_limits(llm) if media else {},
+        tensor_parallel_size=parallel.tensor_parallel_size,
+        pipeline_parallel_size=parallel.pipeline_parallel_size,
+        total_kv_blocks=int(vllm_config.cache_config.num_gpu_blocks or 0),
+        max_batched_tokens=int(vllm_config.scheduler_config.max_num_batched_tokens or 0),
+        max_loras=vllm_config.lora_config.max_loras if vllm_config.lora_config else 0,
+        sleep_mode=bool(model_config.enable_sleep_mode),
         allowed_media_domains=tuple(model_config.allowed_media_domains or ()),
         allowed_local_media_path=model_config.allowed_local_media_path or "",
     )

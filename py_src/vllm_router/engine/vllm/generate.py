@@ -89,8 +89,9 @@ async def lean_steps(
 async def request_output_steps(
     llm: AsyncLLM, call: VllmCall, options: SamplingOptions
 ) -> AsyncGenerator[EngineStep, None]:
-    num_top = options.logprobs if options.logprobs is not None and options.logprobs > 0 else 0
-    want_logprobs = options.logprobs is not None
+    num_top = options.logprobs or 0  # -1: the whole vocabulary
+    by_id = options.logprob_token_ids
+    want_logprobs = options.logprobs is not None or bool(by_id)
     samples = call.params.n
     produced = [0] * samples
     last_token: list[int | None] = [None] * samples
@@ -125,7 +126,7 @@ async def request_output_steps(
                     prompt_tokens=len(out.prompt_token_ids or ()),
                     completion_tokens=produced[index],
                     cached_tokens=out.num_cached_tokens or 0,
-                    logprobs=convert_logprobs(token_ids, completion.logprobs, num_top)
+                    logprobs=convert_logprobs(token_ids, completion.logprobs, num_top, by_id)
                     if want_logprobs
                     else None,
                     index=index,

@@ -11,7 +11,7 @@ from collections.abc import AsyncGenerator
 from typing import Any
 
 from ...errors import NotConfigured
-from ..types import KvBlocksRemoved, KvBlocksStored, KvCacheCleared, KvEventBatch
+from ..types import KvBlocksRemoved, KvBlocksStored, KvCacheCleared, KvEventBatch, KvEventSource
 
 NOT_ENABLED = (
     "KV cache events are not published by this engine: start it with --kv-events-config "
@@ -105,3 +105,39 @@ async def kv_event_batches(
             )
     finally:
         socket.close(linger=0)
+
+
+def kv_event_sources(config: Any, dp_size: int, *, vllm_bind_rule: bool) -> list[KvEventSource]:
+    """The engine's publishers a subscriber can connect to, one per DP rank (none when
+    events are off or published to a remote collector)."""
+    try:
+        endpoints = [
+            zmq_endpoint(config, rank, vllm_bind_rule=vllm_bind_rule) for rank in range(dp_size)
+        ]
+    except NotConfigured:
+        return []
+    replay = getattr(config, "replay_endpoint", None)
+    return [
+        KvEventSource(
+            endpoint=endpoint,
+            topic=getattr(config, "topic", "") or "",
+            dp_rank=rank,
+            replay_endpoint=_replay_endpoint(replay, rank, vllm_bind_rule),
+            buffer_steps=int(getattr(config, "buffer_steps", 0) or 0),
+            hwm=int(getattr(config, "hwm", 0) or 0),
+            max_queue_size=int(getattr(config, "max_queue_size", 0) or 0),
+        )
+        for rank, endpoint in enumerate(endpoints)
+    ]
+
+
+def _replay_endpoint(replay: str | None, rank: int, vllm_bind_rule: bool) -> str:
+    if not replay:
+        return ""
+    if vllm_bind_rule:
+        from vllm.distributed.kv_events import ZmqEventPublisher
+
+        replay = str(ZmqEventPublisher.offset_endpoint_port(replay, rank))
+    elif rank:
+        return ""
+    return replay.replace("*", "127.0.0.1")

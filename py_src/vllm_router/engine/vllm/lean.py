@@ -29,7 +29,12 @@ logger = logging.getLogger(__name__)
 
 def lean_eligible(options: SamplingOptions, samples: int) -> bool:
     """Requests whose outputs carry nothing a RequestOutput adds over a LeanStream."""
-    return samples == 1 and options.logprobs is None and options.prompt_logprobs is None
+    return (
+        samples == 1
+        and options.logprobs is None
+        and not options.logprob_token_ids
+        and options.prompt_logprobs is None
+    )
 
 
 class LeanStream:

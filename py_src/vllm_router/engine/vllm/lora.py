@@ -47,7 +47,7 @@ class LoraRegistry:
         return found
 
     def adapters(self) -> list[LoraAdapter]:
-        return [LoraAdapter(name, r.lora_path) for name, r in self._requests.items()]
+        return [LoraAdapter(name, r.lora_path, r.lora_int_id) for name, r in self._requests.items()]
 
     async def load(self, name: str, path: str) -> None:
         from vllm.lora.request import LoRARequest

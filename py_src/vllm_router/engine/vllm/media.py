@@ -60,6 +60,8 @@ async def media_input(llm: AsyncLLM, ids: list[int], request: GenerationRequest)
         data[item.modality].append(image)
         uuids[item.modality].append(item.uuid)
     prompt: dict[str, Any] = {"prompt_token_ids": ids, "multi_modal_data": dict(data)}
+    if request.cache_salt:
+        prompt["cache_salt"] = request.cache_salt
     if any(uuid is not None for values in uuids.values() for uuid in values):
         prompt["multi_modal_uuids"] = dict(uuids)
     try:
@@ -192,4 +194,6 @@ def _assemble(llm: AsyncLLM, ids: list[int], request: GenerationRequest) -> Any:
         ids, MultiModalKwargsItems(dict(items)), dict(hashes), dict(placeholders)
     )
     engine_input["arrival_time"] = time.time()
+    if request.cache_salt:
+        engine_input["cache_salt"] = request.cache_salt
     return engine_input

@@ -48,6 +48,7 @@ def build_sampling_params(
     max_model_len: int,
     detokenize: bool,
     kv_transfer_params: Mapping[str, Any] | None = None,
+    skip_prefix_cache: bool = False,
 ) -> SamplingParams:
     """SamplingParams as vLLM's OpenAI server would build them for this request.
 
@@ -78,7 +79,7 @@ def build_sampling_params(
     for extra in model_defaults.get("stop_token_ids") or ():
         if extra not in stop_token_ids:
             stop_token_ids.append(extra)
-    return SamplingParams.from_optional(
+    params = SamplingParams.from_optional(
         **values,
         max_tokens=max_tokens,
         stop=list(options.stop),
@@ -90,6 +91,9 @@ def build_sampling_params(
         output_kind=RequestOutputKind.DELTA,
         skip_clone=True,
     )
+    if skip_prefix_cache:
+        params.skip_reading_prefix_cache = True
+    return params
 
 
 def structured_outputs_params(constraint: StructuredOutputs | None) -> Any:
@@ -104,21 +108,30 @@ def structured_outputs_params(constraint: StructuredOutputs | None) -> Any:
     return StructuredOutputsParams(**values)
 
 
-def convert_logprobs(token_ids: list[int], positions: Any, num_top: int) -> list[TokenLogprob]:
-    """vLLM's per-position {token id: Logprob} maps -> TokenLogprob with the `num_top` best."""
+def convert_logprobs(
+    token_ids: list[int], positions: Any, num_top: int, by_id: tuple[int, ...] = ()
+) -> list[TokenLogprob]:
+    """vLLM's per-position {token id: Logprob} maps -> TokenLogprob with the `num_top` best
+    (-1: every token in the map), or with the tokens `by_id` names, in that order."""
     entries = []
     for token_id, position in zip(token_ids, positions or (), strict=False):
-        sampled = position.get(token_id) if position else None
-        top = sorted(
-            (lp.rank, tid, lp.logprob)
-            for tid, lp in (position or {}).items()
-            if lp.rank is not None and lp.rank <= num_top
-        )
+        position = position or {}
+        sampled = position.get(token_id)
+        if by_id:
+            top = [(p.rank, tid, p.logprob) for tid in by_id if (p := position.get(tid))]
+        else:
+            top = sorted(
+                (lp.rank, tid, lp.logprob)
+                for tid, lp in position.items()
+                if lp.rank is not None and (num_top < 0 or lp.rank <= num_top)
+            )
         entries.append(
             TokenLogprob(
                 token_id=token_id,
                 logprob=sampled.logprob if sampled is not None else -math.inf,
                 top=tuple((tid, logprob) for _, tid, logprob in top),
+                rank=sampled.rank if sampled is not None else None,
+                top_ranks=tuple(rank or 0 for rank, _, _ in top),
             )
         )
     return entries

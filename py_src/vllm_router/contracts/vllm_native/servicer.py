@@ -1,0 +1,303 @@
+"""NativeInferenceServicer and NativeControlServicer: vLLM's native contract
+(`vllm.Inference`, `vllm.Control`: what vllm-rs serves and vllm-router speaks), over the
+serving core every contract shares.
+
+Handlers are thin: convert.py in, the core's request table, responses.py out; errors are
+mapped by `core.handles_errors` as for every contract.
+"""
+
+from __future__ import annotations
+
+import functools
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import TypeAlias
+
+import grpc
+
+from ...core import ContractServicer, handles_errors
+from ...core.accumulate import RequestResult
+from ...core.request_fields import trace_headers
+from ...engine import EngineStep, GenerationRequest, LoraAdapter, PauseMode
+from ...errors import InvalidRequest, NotConfigured, NotFound, Unsupported
+from ...proto import vllm_native_pb2 as npb
+from ...proto import vllm_native_pb2_grpc as npb_grpc
+from . import convert, responses
+from .responses import Wanted
+
+INFERENCE_SERVICE = npb.DESCRIPTOR.services_by_name["Inference"].full_name
+CONTROL_SERVICE = npb.DESCRIPTOR.services_by_name["Control"].full_name
+Context: TypeAlias = grpc.aio.ServicerContext
+
+_PAUSE_MODES: dict[int, PauseMode] = {
+    npb.PAUSE_MODE_UNSPECIFIED: "abort",
+    npb.PAUSE_MODE_ABORT: "abort",
+    npb.PAUSE_MODE_WAIT: "wait",
+    npb.PAUSE_MODE_KEEP: "keep",
+}
+NO_WEIGHT_TRANSFER = (
+    "weight transfer is not served by this worker (no RL weight-transfer engine is configured)"
+)
+
+
+class NativeInferenceServicer(ContractServicer, npb_grpc.InferenceServicer):
+    service_label = INFERENCE_SERVICE
+
+    @functools.cached_property
+    def _eos(self) -> frozenset[int]:
+        return frozenset(self._engine.facts.eos_token_ids)
+
+    async def _generation(
+        self, request: npb.GenerateRequest, context: Context
+    ) -> tuple[GenerationRequest, Wanted]:
+        metadata = context.invocation_metadata()
+        generation = convert.to_generation_request(
+            request, self._engine.facts, metadata, trace_headers(metadata)
+        )
+        wanted = Wanted.of(request.response)
+        if wanted.prompt_token_ids and generation.prompt_token_ids is None:
+            # The echo needs the ids of a text prompt: tokenized here, as the table would.
+            ids = await self._engine.tokenize(generation.prompt_text or "")
+            generation = convert.with_prompt_ids(generation, ids)
+        return generation, wanted
+
+    @handles_errors
+    async def GenerateStream(
+        self, request: npb.GenerateRequest, context: Context
+    ) -> AsyncIterator[npb.GenerateResponse]:
+        generation, wanted = await self._generation(request, context)
+        render = self._stream_renderer(wanted, generation.prompt_token_ids)
+        async with self._requests.run(generation) as flight:
+            async for message in flight.messages(render):
+                yield message
+
+    def _stream_renderer(
+        self, wanted: Wanted, prompt_ids: list[int] | None
+    ) -> Callable[[EngineStep], list[npb.GenerateResponse]]:
+        """As vllm-rs: the prompt's facts in a message of their own first, then one message
+        per sequence per engine step."""
+        first = True
+
+        def render(step: EngineStep) -> list[npb.GenerateResponse]:
+            nonlocal first
+            output = responses.sequence_output(step, wanted, self._eos)
+            if not first:
+                return [output]
+            first = False
+            return [responses.prompt_info(step, prompt_ids, wanted), output]
+
+        return render
+
+    @handles_errors
+    async def Generate(
+        self, request: npb.GenerateRequest, context: Context
+    ) -> npb.GenerateResponse:
+        generation, wanted = await self._generation(request, context)
+        if (generation.sampling.n or 1) > 1:
+            raise InvalidRequest(
+                "Generate answers one sequence (its response has one `outputs`): use "
+                "GenerateStream for sampling.num_sequences > 1"
+            )
+        result = RequestResult()
+        first: EngineStep | None = None
+        async with self._requests.run(generation) as flight:
+            async for step in flight.steps():
+                first = first or step
+                result.add(step)
+            flight.answering()
+        assert first is not None, "the engine ended the request without a step"
+        (_, sample), = result.in_order()  # fmt: skip
+        assert sample.last is not None
+        whole = EngineStep(
+            token_ids=sample.token_ids,
+            text=sample.output_text,
+            finished=True,
+            finish_reason=sample.last.finish_reason,
+            stop_reason=sample.last.stop_reason,
+            prompt_tokens=sample.last.prompt_tokens,
+            completion_tokens=sample.last.completion_tokens,
+            cached_tokens=sample.last.cached_tokens,
+            logprobs=sample.logprobs,
+            kv_transfer_params=sample.last.kv_transfer_params,
+            error=sample.last.error,
+        )
+        first.prompt_logprobs = result.prompt_logprobs
+        answer = responses.sequence_output(whole, wanted, self._eos)
+        answer.prompt_info.CopyFrom(
+            responses.prompt_info(first, generation.prompt_token_ids, wanted).prompt_info
+        )
+        return answer
+
+
+class NativeControlServicer(ContractServicer, npb_grpc.ControlServicer):
+    service_label = CONTROL_SERVICE
+
+    @functools.cached_property
+    def _instance_id(self) -> str:
+        # Stable for this worker's life: a router keys its KV-event state by it.
+        return uuid.uuid4().hex
+
+    @handles_errors
+    async def GetServerInfo(
+        self, request: npb.GetServerInfoRequest, context: Context
+    ) -> npb.GetServerInfoResponse:
+        await self._state.require_engine()
+        return responses.server_info(self._engine.facts, self._instance_id)
+
+    @handles_errors
+    async def GetModelInfo(
+        self, request: npb.GetModelInfoRequest, context: Context
+    ) -> npb.GetModelInfoResponse:
+        await self._state.require_engine()
+        return responses.model_info(self._engine.facts)
+
+    @handles_errors
+    async def Abort(self, request: npb.AbortRequest, context: Context) -> npb.AbortResponse:
+        await self._requests.abort(list(request.request_ids))
+        return npb.AbortResponse()
+
+    @handles_errors
+    async def GetKvEventSources(
+        self, request: npb.GetKvEventSourcesRequest, context: Context
+    ) -> npb.GetKvEventSourcesResponse:
+        await self._state.require_engine()
+        return responses.kv_event_sources(self._engine.kv_event_sources())
+
+    @handles_errors
+    async def LoadLora(
+        self, request: npb.LoadLoraRequest, context: Context
+    ) -> npb.LoadLoraResponse:
+        if not request.lora_name or not request.source_path:
+            raise InvalidRequest("LoadLora needs lora_name and source_path")
+        await self._state.require_engine()
+        await self._engine.load_lora_adapter(request.lora_name, request.source_path)
+        adapter = await self._adapter(request.lora_name)
+        return npb.LoadLoraResponse(adapter=responses.lora_adapter(adapter))
+
+    @handles_errors
+    async def UnloadLora(
+        self, request: npb.UnloadLoraRequest, context: Context
+    ) -> npb.UnloadLoraResponse:
+        if not request.lora_name:
+            raise InvalidRequest("UnloadLora needs lora_name")
+        await self._state.require_engine()
+        adapter = await self._adapter(request.lora_name)
+        await self._engine.unload_lora_adapter(request.lora_name)
+        return npb.UnloadLoraResponse(adapter=responses.lora_adapter(adapter))
+
+    async def _adapter(self, name: str) -> LoraAdapter:
+        for adapter in await self._engine.list_lora_adapters():
+            if adapter.name == name:
+                return adapter
+        raise NotFound(f"no LoRA adapter named {name!r} on this worker")
+
+    @handles_errors
+    async def ListLoras(
+        self, request: npb.ListLorasRequest, context: Context
+    ) -> npb.ListLorasResponse:
+        await self._state.require_engine()
+        adapters = await self._engine.list_lora_adapters()
+        return npb.ListLorasResponse(adapters=[responses.lora_adapter(a) for a in adapters])
+
+    @handles_errors
+    async def Shutdown(
+        self, request: npb.ShutdownRequest, context: Context
+    ) -> npb.ShutdownResponse:
+        raise NotConfigured(
+            "this worker's process is managed by its supervisor, not over gRPC: send it "
+            "SIGTERM to drain and stop it"
+        )
+
+    @handles_errors
+    async def PauseGeneration(
+        self, request: npb.PauseGenerationRequest, context: Context
+    ) -> npb.PauseGenerationResponse:
+        mode = _PAUSE_MODES.get(request.mode)
+        if mode is None:
+            raise InvalidRequest(f"mode {request.mode} is not a PauseMode")
+        clear_cache = request.clear_cache if request.HasField("clear_cache") else True
+        await self._state.require_engine()
+        await self._engine.pause(mode, clear_cache)
+        return npb.PauseGenerationResponse()
+
+    @handles_errors
+    async def ResumeGeneration(
+        self, request: npb.ResumeGenerationRequest, context: Context
+    ) -> npb.ResumeGenerationResponse:
+        await self._state.require_engine()
+        await self._engine.resume()
+        return npb.ResumeGenerationResponse()
+
+    @handles_errors
+    async def IsPaused(
+        self, request: npb.IsPausedRequest, context: Context
+    ) -> npb.IsPausedResponse:
+        await self._state.require_engine()
+        return npb.IsPausedResponse(paused=await self._engine.is_paused())
+
+    @handles_errors
+    async def Sleep(self, request: npb.SleepRequest, context: Context) -> npb.SleepResponse:
+        level = request.level if request.HasField("level") else 1
+        if level not in (1, 2):
+            raise InvalidRequest(f"level must be 1 or 2, got {level}")
+        mode = _PAUSE_MODES.get(request.mode)
+        if mode is None:
+            raise InvalidRequest(f"mode {request.mode} is not a PauseMode")
+        await self._state.require_engine()
+        await self._engine.sleep(level, mode)
+        return npb.SleepResponse()
+
+    @handles_errors
+    async def WakeUp(self, request: npb.WakeUpRequest, context: Context) -> npb.WakeUpResponse:
+        await self._state.require_engine()
+        await self._engine.wake_up(list(request.tags) or None)
+        return npb.WakeUpResponse()
+
+    @handles_errors
+    async def IsSleeping(
+        self, request: npb.IsSleepingRequest, context: Context
+    ) -> npb.IsSleepingResponse:
+        await self._state.require_engine()
+        return npb.IsSleepingResponse(sleeping=await self._engine.is_sleeping())
+
+    @handles_errors
+    async def InitWeightTransferEngine(
+        self, request: npb.InitWeightTransferEngineRequest, context: Context
+    ) -> npb.InitWeightTransferEngineResponse:
+        raise Unsupported(NO_WEIGHT_TRANSFER)
+
+    @handles_errors
+    async def StartWeightUpdate(
+        self, request: npb.StartWeightUpdateRequest, context: Context
+    ) -> npb.StartWeightUpdateResponse:
+        raise Unsupported(NO_WEIGHT_TRANSFER)
+
+    @handles_errors
+    async def StartDraftWeightUpdate(
+        self, request: npb.StartDraftWeightUpdateRequest, context: Context
+    ) -> npb.StartDraftWeightUpdateResponse:
+        raise Unsupported(NO_WEIGHT_TRANSFER)
+
+    @handles_errors
+    async def UpdateWeights(
+        self, request: npb.UpdateWeightsRequest, context: Context
+    ) -> npb.UpdateWeightsResponse:
+        raise Unsupported(NO_WEIGHT_TRANSFER)
+
+    @handles_errors
+    async def FinishWeightUpdate(
+        self, request: npb.FinishWeightUpdateRequest, context: Context
+    ) -> npb.FinishWeightUpdateResponse:
+        raise Unsupported(NO_WEIGHT_TRANSFER)
+
+    @handles_errors
+    async def UpdateWeightVersion(
+        self, request: npb.UpdateWeightVersionRequest, context: Context
+    ) -> npb.UpdateWeightVersionResponse:
+        raise Unsupported(NO_WEIGHT_TRANSFER)
+
+    @handles_errors
+    async def GetWeightVersion(
+        self, request: npb.GetWeightVersionRequest, context: Context
+    ) -> npb.GetWeightVersionResponse:
+        raise Unsupported(NO_WEIGHT_TRANSFER)
