@@ -23,7 +23,9 @@ from harness import Harness, StartServer, real_engine_idle, request, wait_until 
 EOS = 2  # the mock's EOS id: after 31999 it generates 0, 1, 2
 
 
-def native(ids: list[int] | None = None, text: str | None = None, **fields: object) -> npb.GenerateRequest:
+def native(
+    ids: list[int] | None = None, text: str | None = None, **fields: object
+) -> npb.GenerateRequest:
     """A GenerateRequest; `fields` are its sub-messages' fields by (message, field) name."""
     req = npb.GenerateRequest(**fields)  # type: ignore[arg-type]
     if text is not None:
@@ -63,7 +65,9 @@ async def _code(call: object) -> grpc.StatusCode:
     return err.value.code()
 
 
-async def _stream_error(harness: Harness, req: npb.GenerateRequest, **kwargs: object) -> grpc.aio.AioRpcError:
+async def _stream_error(
+    harness: Harness, req: npb.GenerateRequest, **kwargs: object
+) -> grpc.aio.AioRpcError:
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await _stream(harness, req, **kwargs)
     return err.value
@@ -162,6 +166,37 @@ async def test_kv_transfer_params_reach_the_engine(mock: Harness) -> None:
     seen = mock.engine.last_request
     assert seen.kv_transfer_params == {"do_remote_decode": True, "remote_port": 7.0}
     assert (seen.cache_salt, seen.skip_prefix_cache) == ("s", True)
+    await _stream(mock, native([10], stopping=stopping(1), session_id="conversation-1"))
+    assert mock.engine.last_request.session_id == "conversation-1"
+
+
+async def test_unset_values_as_vllm_rs_reads_them(mock: Harness) -> None:
+    await _stream(mock, native([10], stopping=stopping(1)))
+    s = mock.engine.last_request.sampling
+    assert (s.temperature, s.top_p, s.top_k, s.repetition_penalty, s.n) == (
+        0.0,
+        None,
+        None,
+        None,
+        1,
+    )
+    assert (s.max_tokens, s.logprobs, s.prompt_logprobs) == (1, None, None)
+    # Candidates count only with output_logprobs, as vllm-rs reads them.
+    candidates = npb.CandidateTokens(top_n=3)
+    response = npb.ResponseOptions(output_candidates=candidates)
+    await _stream(mock, native([10], stopping=stopping(1), response=response))
+    assert mock.engine.last_request.sampling.logprobs is None
+
+
+async def test_truncation_keeps_the_last_tokens(mock: Harness) -> None:
+    messages = await _stream(mock, native([5, 6, 7, 8], truncate_prompt_tokens=2,
+                                          stopping=stopping(1)))  # fmt: skip
+    assert messages[0].prompt_info.num_prompt_tokens == 2
+    assert mock.engine.last_request.prompt_token_ids == [7, 8]
+    echo = npb.ResponseOptions(prompt_token_ids=True)
+    req = native(text="abcd", truncate_prompt_tokens=3, stopping=stopping(1), response=echo)
+    text = await _stream(mock, req)
+    assert list(text[0].prompt_info.token_ids) == list(b"bcd")
 
 
 async def test_dp_rank_from_metadata(start_mock: StartServer) -> None:
@@ -183,19 +218,52 @@ async def test_dp_rank_from_metadata(start_mock: StartServer) -> None:
         (native(text=""), grpc.StatusCode.INVALID_ARGUMENT, "text"),
         (native([10] * 5000), grpc.StatusCode.INVALID_ARGUMENT, "token_ids"),
         (native([10], model="other"), grpc.StatusCode.NOT_FOUND, "other"),
-        (native([10], session_id="s"), grpc.StatusCode.UNIMPLEMENTED, "session_id"),
+        (npb.GenerateRequest(), grpc.StatusCode.INVALID_ARGUMENT, "prompt is required"),
+        (
+            native([10], truncate_prompt_tokens=100_000, stopping=stopping(4)),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "truncate_prompt_tokens",
+        ),
+        (
+            native(
+                [10],
+                response=npb.ResponseOptions(
+                    prompt_logprobs=True,
+                    prompt_candidates=(npb.CandidateTokens(token_ids=npb.TokenIds(ids=[1]))),
+                ),
+            ),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "prompt_candidates",
+        ),
         (native([10], watermarking=True), grpc.StatusCode.UNIMPLEMENTED, "watermarking"),
         (native([10], temperature=-1), grpc.StatusCode.INVALID_ARGUMENT, "temperature"),
-        (native([10], decoding=npb.DecodingParameters(presence_penalty=5)),
-         grpc.StatusCode.INVALID_ARGUMENT, "presence_penalty"),
-        (native([10], decoding=npb.DecodingParameters(bad_words_token_ids=[npb.TokenIds(ids=[1])])),
-         grpc.StatusCode.UNIMPLEMENTED, "bad_words_token_ids"),
-        (native([10], stopping=npb.StoppingCriteria(thinking_token_budget=5)),
-         grpc.StatusCode.UNIMPLEMENTED, "thinking_token_budget"),
-        (native([10], kv=npb.KVCacheParameters(ec_transfer_params=struct_pb2.Struct())),
-         grpc.StatusCode.UNIMPLEMENTED, "ec_transfer_params"),
-        (native([10], media=[npb.MediaItem(features=npb.PreprocessedMediaFeatures())]),
-         grpc.StatusCode.UNIMPLEMENTED, "features"),
+        (
+            native([10], decoding=npb.DecodingParameters(presence_penalty=5)),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "presence_penalty",
+        ),
+        (
+            native(
+                [10], decoding=npb.DecodingParameters(bad_words_token_ids=[npb.TokenIds(ids=[1])])
+            ),
+            grpc.StatusCode.UNIMPLEMENTED,
+            "bad_words_token_ids",
+        ),
+        (
+            native([10], stopping=npb.StoppingCriteria(thinking_token_budget=5)),
+            grpc.StatusCode.UNIMPLEMENTED,
+            "thinking_token_budget",
+        ),
+        (
+            native([10], kv=npb.KVCacheParameters(ec_transfer_params=struct_pb2.Struct())),
+            grpc.StatusCode.UNIMPLEMENTED,
+            "ec_transfer_params",
+        ),
+        (
+            native([10], media=[npb.MediaItem(features=npb.PreprocessedMediaFeatures())]),
+            grpc.StatusCode.UNIMPLEMENTED,
+            "features",
+        ),
         (native([10], media=[npb.MediaItem()]), grpc.StatusCode.INVALID_ARGUMENT, "media[0]"),
         (native([10], lora_name="x"), grpc.StatusCode.UNIMPLEMENTED, "LoRA"),
         (native([10], request_id="r" * 300), grpc.StatusCode.INVALID_ARGUMENT, "request_id"),
@@ -221,7 +289,9 @@ async def test_abort_and_dropped_streams_leave_nothing_running(start_mock: Start
     while (message := await call.read()) is not grpc.aio.EOF:
         rest.append(message)
     assert rest[-1].outputs.finish_info.finish_reason == npb.ABORTED
-    dropped = inference(harness).GenerateStream(native([10], request_id="b", stopping=stopping(500)))
+    dropped = inference(harness).GenerateStream(
+        native([10], request_id="b", stopping=stopping(500))
+    )
     await dropped.read()
     dropped.cancel()
     await wait_until(lambda: not harness.server.requests.in_flight, what="the dropped stream ends")
@@ -287,17 +357,30 @@ async def test_control_pause_abort_ends_requests(start_mock: StartServer) -> Non
 async def test_control_what_is_not_served_says_why(mock: Harness) -> None:
     ctl = control(mock)
     cases = [
-        (ctl.ListLoras(npb.ListLorasRequest()), grpc.StatusCode.UNIMPLEMENTED),
+        (ctl.ListLoras(npb.ListLorasRequest()), grpc.StatusCode.FAILED_PRECONDITION),
+        (ctl.UnloadLora(npb.UnloadLoraRequest(lora_name="a")), grpc.StatusCode.FAILED_PRECONDITION),
         (ctl.LoadLora(npb.LoadLoraRequest(lora_name="a")), grpc.StatusCode.INVALID_ARGUMENT),
         (ctl.Sleep(npb.SleepRequest()), grpc.StatusCode.FAILED_PRECONDITION),
         (ctl.Sleep(npb.SleepRequest(level=3)), grpc.StatusCode.INVALID_ARGUMENT),
         (ctl.Shutdown(npb.ShutdownRequest()), grpc.StatusCode.FAILED_PRECONDITION),
-        (ctl.UpdateWeights(npb.UpdateWeightsRequest()), grpc.StatusCode.UNIMPLEMENTED),
-        (ctl.GetWeightVersion(npb.GetWeightVersionRequest()), grpc.StatusCode.UNIMPLEMENTED),
+        (ctl.UpdateWeights(npb.UpdateWeightsRequest()), grpc.StatusCode.FAILED_PRECONDITION),
+        (
+            ctl.InitWeightTransferEngine(npb.InitWeightTransferEngineRequest()),
+            grpc.StatusCode.FAILED_PRECONDITION,
+        ),
+        (
+            ctl.UpdateWeightVersion(npb.UpdateWeightVersionRequest(weight_version=" ")),
+            grpc.StatusCode.INVALID_ARGUMENT,
+        ),
     ]
     for call, code in cases:
         assert await _code(call) == code
     assert not (await ctl.IsSleeping(npb.IsSleepingRequest())).sleeping
+    version = await ctl.GetWeightVersion(npb.GetWeightVersionRequest())
+    assert version.weight_version == "default"
+    await ctl.UpdateWeightVersion(npb.UpdateWeightVersionRequest(weight_version="v2"))
+    version = await ctl.GetWeightVersion(npb.GetWeightVersionRequest())
+    assert version.weight_version == "v2"
 
 
 async def test_health_and_reflection_name_both_services(mock: Harness) -> None:

@@ -113,6 +113,8 @@ class GenerationRequest:
     cache_salt: str | None = None
     # Compute the whole prompt: read nothing from the prefix cache.
     skip_prefix_cache: bool = False
+    # The caller's session (vLLM's session_id on the engine request).
+    session_id: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,6 +199,8 @@ class ModelFacts:
     max_batched_tokens: int = 0
     max_loras: int = 0
     sleep_mode: bool = False  # --enable-sleep-mode
+    weight_transfer_backend: str = ""  # --weight-transfer-config ("" without)
+    instance_id: str = ""  # the engine's own id, stable for its life
 
 
 @dataclass(frozen=True, slots=True)

@@ -101,6 +101,7 @@ class MockAsyncEngine:
         self._running = asyncio.Event()
         self._running.set()
         self._pause_drained = asyncio.Event()  # set when no request runs through a pause
+        self._weight_version = "default"
 
     # -- protocol ---------------------------------------------------------------------------------
 
@@ -200,6 +201,12 @@ class MockAsyncEngine:
 
     async def is_sleeping(self) -> bool:
         return False
+
+    async def weight_version(self) -> str:
+        return self._weight_version
+
+    async def set_weight_version(self, version: str) -> None:
+        self._weight_version = version
 
     stop_profile = start_profile
 

@@ -1,11 +1,13 @@
 """vllm.Inference requests -> the neutral engine types (pure functions).
 
 Semantics follow vllm-rs, the server this contract comes from: an unset temperature is
-the model's generation-config default (else 1.0), zeros stand for "unset" where vLLM
-has no zero (top_p and repetition_penalty 1.0, num_sequences 1, top_k off),
-`max_new_tokens` 0 generates until the context is full (the router sends 0 when its
-client set no maximum), text is produced unless `response.output_text` is false, and
-the data-parallel rank comes from the `x-data-parallel-rank` call metadata.
+greedy (0.0; vllm-router always sends one), a zero elsewhere means "unset" and takes the
+model's generation-config default (else vLLM's neutral value), `max_new_tokens` 0 (or
+one past the context) generates until the context is full (the router sends 0 when its
+client set no maximum), text is produced unless `response.output_text` is false,
+logprobs only with `response.output_logprobs` (its candidates saying how many
+alternatives), and the data-parallel rank comes from the `x-data-parallel-rank` call
+metadata. One difference is kept: `num_sequences` > 1 is served (vllm-rs refuses it).
 """
 
 from __future__ import annotations
@@ -40,7 +42,6 @@ _MODALITIES = {
 
 # Request fields this worker cannot honour: refused with the reason when set.
 _REFUSED = {
-    "session_id": "sessions are not served by this worker",
     "watermarking": "watermarking is not served by this worker",
     "kv_hints": "KV hints are not served by this worker",
     "engine_reasoning_gate": "no reasoning parser runs in this worker",
@@ -61,6 +62,8 @@ def _refuse_unserved(request: npb.GenerateRequest) -> None:
             "decoding.bad_words_token_ids is not served: vLLM's AsyncLLM takes bad words as "
             "text only"
         )
+    if request.media and request.truncate_prompt_tokens:
+        raise InvalidRequest("truncate_prompt_tokens is not supported for multimodal requests")
     if request.kv.HasField("ec_transfer_params"):
         raise Unsupported("kv.ec_transfer_params is set: no encoder-cache connector runs here")
 
@@ -70,6 +73,8 @@ def _structured_outputs(decoding: npb.DecodingParameters) -> StructuredOutputs |
     if member is None:
         return None
     value: Any = getattr(decoding, member)
+    if member == "json_object" and not value:
+        return None  # asks for no constraint, as vllm-rs reads it
     if member == "choice":
         value = tuple(value.choices)
         if not value:
@@ -77,19 +82,24 @@ def _structured_outputs(decoding: npb.DecodingParameters) -> StructuredOutputs |
     return StructuredOutputs(**{_CONSTRAINTS[member]: value})
 
 
-def _candidates(candidates: npb.CandidateTokens, where: str) -> tuple[int | None, tuple[int, ...]]:
-    """(how many most likely tokens, -1 every token; or the tokens asked for by id)."""
-    kind = candidates.WhichOneof("kind")
+def _scores(
+    wanted: bool, candidates: npb.CandidateTokens | None, where: str
+) -> tuple[int | None, tuple[int, ...]]:
+    """(logprobs: how many alternatives, -1 every token, None none; tokens asked for by id)."""
+    if not wanted:
+        return None, ()
+    kind = candidates.WhichOneof("kind") if candidates is not None else None
     if kind == "top_n":
-        return candidates.top_n, ()
-    if kind == "all":
-        return (-1, ()) if candidates.all else (0, ())
-    if kind == "token_ids":
-        ids = tuple(candidates.token_ids.ids)
-        if not ids:
-            raise InvalidRequest(f"{where}.token_ids names no tokens")
-        return None, ids
+        return candidates.top_n, ()  # type: ignore[union-attr]
+    if kind == "all" and candidates.all:  # type: ignore[union-attr]
+        return -1, ()
+    if kind == "token_ids" and candidates.token_ids.ids:  # type: ignore[union-attr]
+        return None, tuple(candidates.token_ids.ids)  # type: ignore[union-attr]
     return 0, ()
+
+
+def _zero_unset(value: float) -> float | None:
+    return value or None
 
 
 def sampling_options(request: npb.GenerateRequest) -> SamplingOptions:
@@ -97,34 +107,27 @@ def sampling_options(request: npb.GenerateRequest) -> SamplingOptions:
     sampling, decoding, stopping, response = (
         request.sampling, request.decoding, request.stopping, request.response,
     )  # fmt: skip
-    logprobs: int | None = None
-    by_id: tuple[int, ...] = ()
-    if response.HasField("output_candidates"):
-        logprobs, by_id = _candidates(response.output_candidates, "response.output_candidates")
-    elif response.output_logprobs:
-        logprobs = 0
-    prompt_logprobs: int | None = None
-    if response.HasField("prompt_candidates"):
-        prompt_logprobs, prompt_ids = _candidates(
-            response.prompt_candidates, "response.prompt_candidates"
+    output = response.output_candidates if response.HasField("output_candidates") else None
+    logprobs, by_id = _scores(response.output_logprobs, output, "response.output_candidates")
+    prompt = response.prompt_candidates if response.HasField("prompt_candidates") else None
+    prompt_logprobs, prompt_ids = _scores(
+        response.prompt_logprobs, prompt, "response.prompt_candidates"
+    )
+    if prompt_ids:
+        raise InvalidRequest(
+            "response.prompt_candidates.token_ids is not supported: vLLM scores prompt "
+            "tokens by rank only (use top_n or all)"
         )
-        if prompt_ids:
-            raise Unsupported(
-                "response.prompt_candidates.token_ids is not served: vLLM's AsyncLLM scores "
-                "prompt tokens by rank only (use top_n or all)"
-            )
-    elif response.prompt_logprobs:
-        prompt_logprobs = 0
     return SamplingOptions(
-        temperature=request.temperature if request.HasField("temperature") else None,
+        temperature=request.temperature if request.HasField("temperature") else 0.0,
         n=sampling.num_sequences or 1,
-        top_k=sampling.top_k or 0,
-        top_p=sampling.top_p or 1.0,
-        min_p=sampling.min_p,
+        top_k=sampling.top_k or None,
+        top_p=_zero_unset(sampling.top_p),
+        min_p=_zero_unset(sampling.min_p),
         seed=sampling.seed if sampling.HasField("seed") else None,
-        presence_penalty=decoding.presence_penalty,
-        frequency_penalty=decoding.frequency_penalty,
-        repetition_penalty=decoding.repetition_penalty or 1.0,
+        presence_penalty=_zero_unset(decoding.presence_penalty),
+        frequency_penalty=_zero_unset(decoding.frequency_penalty),
+        repetition_penalty=_zero_unset(decoding.repetition_penalty),
         logit_bias=dict(decoding.logit_bias) or None,
         allowed_token_ids=tuple(decoding.allowed_token_ids),
         structured_outputs=_structured_outputs(decoding),
@@ -205,10 +208,14 @@ def to_generation_request(
     metadata: Sequence[tuple[str, str | bytes]] | None,
     trace: Mapping[str, str] | None,
 ) -> GenerationRequest:
+    """The request as the engine takes it; a text prompt stays text (the serving core
+    tokenizes it) unless `with_prompt_ids` gives its ids first."""
     _checked_model(request.model, facts)
     _refuse_unserved(request)
     sampling = sampling_options(request)
     prompt = request.WhichOneof("prompt")
+    if prompt is None:
+        raise InvalidRequest("prompt is required: set token_ids or text")
     ids: list[int] | None = None
     text: str | None = None
     if prompt == "text":
@@ -216,14 +223,7 @@ def to_generation_request(
         if not text:
             raise InvalidRequest("text is empty: the prompt needs at least one token")
     else:
-        ids = list(request.token_ids.ids)
-        if request.truncate_prompt_tokens:
-            ids = ids[-request.truncate_prompt_tokens :]
-    if text is not None and request.truncate_prompt_tokens:
-        raise Unsupported(
-            "truncate_prompt_tokens applies to token_ids prompts here; tokenize the text "
-            "and send token_ids"
-        )
+        ids = truncated(list(request.token_ids.ids), request, facts)
     response = request.response
     return GenerationRequest(
         request_id=checked_request_id(request.request_id),
@@ -240,9 +240,28 @@ def to_generation_request(
         prompt_field="token_ids",
         cache_salt=request.kv.cache_salt or None,
         skip_prefix_cache=request.kv.bypass_prefix_cache,
+        session_id=request.session_id or None,
         **_media(request.media),
     )
 
 
-def with_prompt_ids(request: GenerationRequest, ids: list[int]) -> GenerationRequest:
-    return dataclasses.replace(request, prompt_token_ids=ids, prompt_text=None)
+def truncated(ids: list[int], request: npb.GenerateRequest, facts: ModelFacts) -> list[int]:
+    """truncate_prompt_tokens N > 0 keeps the last N prompt tokens (0: all of them)."""
+    keep = request.truncate_prompt_tokens
+    if not keep:
+        return ids
+    room = facts.max_model_len - request.stopping.max_new_tokens
+    if keep > room:
+        raise InvalidRequest(
+            f"truncate_prompt_tokens={keep} cannot be greater than max_model_len - "
+            f"max_new_tokens = {room}"
+        )
+    return ids[-keep:]
+
+
+def with_prompt_ids(
+    generation: GenerationRequest, ids: list[int], request: npb.GenerateRequest, facts: ModelFacts
+) -> GenerationRequest:
+    """A text prompt's ids (tokenized by the engine), truncated as token_ids would be."""
+    ids = truncated(ids, request, facts)
+    return dataclasses.replace(generation, prompt_token_ids=ids, prompt_text=None)

@@ -21,8 +21,8 @@ _FINISH = {
     "stop": npb.STOP,
     "length": npb.LENGTH,
     "abort": npb.ABORTED,
-    # vLLM's repetition detection ends a request as a stop would (no stop condition matched).
-    "repetition": npb.STOP,
+    # As vllm-rs: vLLM's repetition detection cut the request short.
+    "repetition": npb.ABORTED,
 }
 
 
@@ -74,13 +74,16 @@ def prompt_info(
     info = npb.PromptInfo(num_prompt_tokens=step.prompt_tokens)
     if wanted.prompt_token_ids and prompt_ids is not None:
         info.token_ids.extend(prompt_ids)
-    # vLLM scores every prompt token after the first (nothing precedes the first).
-    entries = [e for e in step.prompt_logprobs or () if not math.isnan(e.logprob)]
+    # One entry per prompt position; the first has no score (nothing precedes it): as
+    # vllm-rs, logprob 0, rank 0 and no candidates there.
+    entries = step.prompt_logprobs or ()
     if wanted.prompt_logprobs:
-        info.logprobs.extend(e.logprob for e in entries)
+        info.logprobs.extend(0.0 if math.isnan(e.logprob) else e.logprob for e in entries)
         info.ranks.extend(e.rank or 0 for e in entries)
     if wanted.prompt_candidates:
-        info.candidate_tokens.extend(_candidates(e) for e in entries)
+        info.candidate_tokens.extend(
+            npb.CandidateTokenInfo() if math.isnan(e.logprob) else _candidates(e) for e in entries
+        )
     return npb.GenerateResponse(prompt_info=info)
 
 
@@ -131,9 +134,7 @@ def fill_scores(
         output.candidate_tokens.extend(_candidates(e) for e in entries)
 
 
-def server_info(
-    facts: ModelFacts, instance_id: str, dp_rank: int | None = None
-) -> npb.GetServerInfoResponse:
+def server_info(facts: ModelFacts, instance_id: str) -> npb.GetServerInfoResponse:
     return npb.GetServerInfoResponse(
         engine_version=facts.engine_version,
         api_version=API_VERSION,
@@ -142,7 +143,7 @@ def server_info(
             tensor_parallel_size=facts.tensor_parallel_size,
             pipeline_parallel_size=facts.pipeline_parallel_size,
             data_parallel_size=facts.dp_size,
-            data_parallel_rank=dp_rank or 0,
+            data_parallel_rank=0,  # the first rank this worker serves
             decode_context_parallel_size=1,
             world_size=facts.tensor_parallel_size * facts.pipeline_parallel_size,
             data_parallel_size_local=facts.dp_size,
@@ -153,7 +154,11 @@ def server_info(
         max_running_requests=facts.max_num_seqs,
         max_batched_tokens=facts.max_batched_tokens,
         max_loras=facts.max_loras,
-        rl_capabilities=npb.RlCapabilities(sleep_mode_enabled=facts.sleep_mode),
+        rl_capabilities=npb.RlCapabilities(
+            sleep_mode_enabled=facts.sleep_mode,
+            weight_transfer_enabled=bool(facts.weight_transfer_backend),
+            weight_transfer_backend=facts.weight_transfer_backend,
+        ),
         proto_version=PROTO_VERSION,
         effective_attention_block_size=facts.block_size,
     )

@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import uuid
 from collections.abc import AsyncIterator, Callable
-from typing import TypeAlias
+from typing import NoReturn, TypeAlias
 
 import grpc
 
@@ -35,9 +35,8 @@ _PAUSE_MODES: dict[int, PauseMode] = {
     npb.PAUSE_MODE_WAIT: "wait",
     npb.PAUSE_MODE_KEEP: "keep",
 }
-NO_WEIGHT_TRANSFER = (
-    "weight transfer is not served by this worker (no RL weight-transfer engine is configured)"
-)
+NO_WEIGHT_TRANSFER = "weight transfer is not configured; start vLLM with --weight-transfer-config"
+NO_LORA = "LoRA is not enabled on this worker (start the engine with --enable-lora)"
 
 
 class NativeInferenceServicer(ContractServicer, npb_grpc.InferenceServicer):
@@ -55,10 +54,13 @@ class NativeInferenceServicer(ContractServicer, npb_grpc.InferenceServicer):
             request, self._engine.facts, metadata, trace_headers(metadata)
         )
         wanted = Wanted.of(request.response)
-        if wanted.prompt_token_ids and generation.prompt_token_ids is None:
-            # The echo needs the ids of a text prompt: tokenized here, as the table would.
-            ids = await self._engine.tokenize(generation.prompt_text or "")
-            generation = convert.with_prompt_ids(generation, ids)
+        text = generation.prompt_text
+        if text is not None and (wanted.prompt_token_ids or request.truncate_prompt_tokens):
+            # The echo and the truncation need a text prompt's ids: tokenized here, as the
+            # serving core would.
+            await self._state.require_serving()
+            ids = await self._engine.tokenize(text)
+            generation = convert.with_prompt_ids(generation, ids, request, self._engine.facts)
         return generation, wanted
 
     @handles_errors
@@ -135,7 +137,19 @@ class NativeControlServicer(ContractServicer, npb_grpc.ControlServicer):
     @functools.cached_property
     def _instance_id(self) -> str:
         # Stable for this worker's life: a router keys its KV-event state by it.
-        return uuid.uuid4().hex
+        return self._engine.facts.instance_id or uuid.uuid4().hex
+
+    def _require_lora(self) -> None:
+        if not self._engine.facts.supports_lora:
+            raise NotConfigured(NO_LORA)
+
+    def _weight_transfer(self) -> NoReturn:
+        if not self._engine.facts.weight_transfer_backend:
+            raise NotConfigured(NO_WEIGHT_TRANSFER)
+        raise Unsupported(
+            "weight transfer is not served over this worker's gRPC yet; use vLLM's own server "
+            "for RL weight updates"
+        )
 
     @handles_errors
     async def GetServerInfo(
@@ -167,9 +181,10 @@ class NativeControlServicer(ContractServicer, npb_grpc.ControlServicer):
     async def LoadLora(
         self, request: npb.LoadLoraRequest, context: Context
     ) -> npb.LoadLoraResponse:
-        if not request.lora_name or not request.source_path:
+        if not request.lora_name.strip() or not request.source_path:
             raise InvalidRequest("LoadLora needs lora_name and source_path")
         await self._state.require_engine()
+        self._require_lora()
         await self._engine.load_lora_adapter(request.lora_name, request.source_path)
         adapter = await self._adapter(request.lora_name)
         return npb.LoadLoraResponse(adapter=responses.lora_adapter(adapter))
@@ -178,9 +193,10 @@ class NativeControlServicer(ContractServicer, npb_grpc.ControlServicer):
     async def UnloadLora(
         self, request: npb.UnloadLoraRequest, context: Context
     ) -> npb.UnloadLoraResponse:
-        if not request.lora_name:
-            raise InvalidRequest("UnloadLora needs lora_name")
+        if not request.lora_name.strip():
+            raise InvalidRequest("lora_name is required")
         await self._state.require_engine()
+        self._require_lora()
         adapter = await self._adapter(request.lora_name)
         await self._engine.unload_lora_adapter(request.lora_name)
         return npb.UnloadLoraResponse(adapter=responses.lora_adapter(adapter))
@@ -196,7 +212,9 @@ class NativeControlServicer(ContractServicer, npb_grpc.ControlServicer):
         self, request: npb.ListLorasRequest, context: Context
     ) -> npb.ListLorasResponse:
         await self._state.require_engine()
+        self._require_lora()
         adapters = await self._engine.list_lora_adapters()
+        adapters.sort(key=lambda a: a.name)
         return npb.ListLorasResponse(adapters=[responses.lora_adapter(a) for a in adapters])
 
     @handles_errors
@@ -264,40 +282,45 @@ class NativeControlServicer(ContractServicer, npb_grpc.ControlServicer):
     async def InitWeightTransferEngine(
         self, request: npb.InitWeightTransferEngineRequest, context: Context
     ) -> npb.InitWeightTransferEngineResponse:
-        raise Unsupported(NO_WEIGHT_TRANSFER)
+        self._weight_transfer()
 
     @handles_errors
     async def StartWeightUpdate(
         self, request: npb.StartWeightUpdateRequest, context: Context
     ) -> npb.StartWeightUpdateResponse:
-        raise Unsupported(NO_WEIGHT_TRANSFER)
+        self._weight_transfer()
 
     @handles_errors
     async def StartDraftWeightUpdate(
         self, request: npb.StartDraftWeightUpdateRequest, context: Context
     ) -> npb.StartDraftWeightUpdateResponse:
-        raise Unsupported(NO_WEIGHT_TRANSFER)
+        self._weight_transfer()
 
     @handles_errors
     async def UpdateWeights(
         self, request: npb.UpdateWeightsRequest, context: Context
     ) -> npb.UpdateWeightsResponse:
-        raise Unsupported(NO_WEIGHT_TRANSFER)
+        self._weight_transfer()
 
     @handles_errors
     async def FinishWeightUpdate(
         self, request: npb.FinishWeightUpdateRequest, context: Context
     ) -> npb.FinishWeightUpdateResponse:
-        raise Unsupported(NO_WEIGHT_TRANSFER)
+        self._weight_transfer()
 
     @handles_errors
     async def UpdateWeightVersion(
         self, request: npb.UpdateWeightVersionRequest, context: Context
     ) -> npb.UpdateWeightVersionResponse:
-        raise Unsupported(NO_WEIGHT_TRANSFER)
+        if not request.weight_version.strip():
+            raise InvalidRequest("weight_version must not be empty")
+        await self._state.require_engine()
+        await self._engine.set_weight_version(request.weight_version)
+        return npb.UpdateWeightVersionResponse()
 
     @handles_errors
     async def GetWeightVersion(
         self, request: npb.GetWeightVersionRequest, context: Context
     ) -> npb.GetWeightVersionResponse:
-        raise Unsupported(NO_WEIGHT_TRANSFER)
+        await self._state.require_engine()
+        return npb.GetWeightVersionResponse(weight_version=await self._engine.weight_version())

@@ -205,6 +205,12 @@ class VllmEngine:
     async def is_sleeping(self) -> bool:
         return bool(await self._call(self._llm.is_sleeping()))
 
+    async def weight_version(self) -> str:
+        return str(await self._call(self._llm.get_weight_version()))
+
+    async def set_weight_version(self, version: str) -> None:
+        await self._call(self._llm.update_weight_version(version))
+
     def _require_sleep_mode(self) -> None:
         if not self._llm.vllm_config.model_config.enable_sleep_mode:
             raise NotConfigured(
@@ -324,6 +330,8 @@ class VllmEngine:
                 "trace_headers": request.trace_headers,
                 "priority": request.priority,
                 "data_parallel_rank": request.dp_rank,
+                # Only when set: a vLLM without sessions still serves everything else.
+                **({"session_id": request.session_id} if request.session_id else {}),
             },
             detokenize=request.detokenize,
         )

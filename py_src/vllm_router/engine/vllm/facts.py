@@ -115,6 +115,7 @@ def model_facts(llm: AsyncLLM, model_defaults: dict[str, Any], *, media: bool = 
     kv = vllm_config.kv_transfer_config
     kv_connector, kv_engine_id = pd_connector(kv)
     parallel = vllm_config.parallel_config
+    transfer = getattr(vllm_config, "weight_transfer_config", None)
     return ModelFacts(
         model_name=model_config.model,
         served_model_name=served if isinstance(served, str) else served[0],
@@ -147,6 +148,8 @@ def model_facts(llm: AsyncLLM, model_defaults: dict[str, Any], *, media: bool = 
         max_batched_tokens=int(vllm_config.scheduler_config.max_num_batched_tokens or 0),
         max_loras=vllm_config.lora_config.max_loras if vllm_config.lora_config else 0,
         sleep_mode=bool(model_config.enable_sleep_mode),
+        weight_transfer_backend=str(getattr(transfer, "backend", "") or ""),
+        instance_id=str(getattr(vllm_config, "instance_id", "") or ""),
         allowed_media_domains=tuple(model_config.allowed_media_domains or ()),
         allowed_local_media_path=model_config.allowed_local_media_path or "",
     )
