@@ -103,10 +103,10 @@ async def test_vllm_router_answers_are_identical_through_ours_and_vllm_rs(
             assert answer[0] == 200 and answer[1], (name, answer)  # a real answer, not an error
         else:
             assert answer[0] and all(text for _, text in answer[0]), (name, answer)
-    status, choices, _ = answers["chat json schema"]
+    _, choices, _ = answers["chat json schema"]
     if choices[0][3] == "stop":
         jsonschema.validate(json.loads(choices[0][1]), SCHEMA)
-    status, choices, (prompt_tokens, completion_tokens) = answers["chat no max"]
+    _, choices, (prompt_tokens, completion_tokens) = answers["chat no max"]
     assert choices[0][3] == "length" and prompt_tokens + completion_tokens == MAX_MODEL_LEN
     assert answers["completions min tokens"][2][1] == 12
     figures(f"{len(matched)} OpenAI cases identical through vllm-router to ours and to vllm-rs")

@@ -220,7 +220,7 @@ async def test_dp_rank_from_metadata(start_mock: StartServer) -> None:
         (native([10], model="other"), grpc.StatusCode.NOT_FOUND, "other"),
         (npb.GenerateRequest(), grpc.StatusCode.INVALID_ARGUMENT, "prompt is required"),
         (
-            native([10], truncate_prompt_tokens=100_000, stopping=stopping(4)),
+            native([10], truncate_prompt_tokens=100_000),
             grpc.StatusCode.INVALID_ARGUMENT,
             "truncate_prompt_tokens",
         ),

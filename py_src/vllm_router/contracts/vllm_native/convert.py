@@ -250,11 +250,10 @@ def truncated(ids: list[int], request: npb.GenerateRequest, facts: ModelFacts) -
     keep = request.truncate_prompt_tokens
     if not keep:
         return ids
-    room = facts.max_model_len - request.stopping.max_new_tokens
-    if keep > room:
+    if keep > facts.max_model_len:
         raise InvalidRequest(
-            f"truncate_prompt_tokens={keep} cannot be greater than max_model_len - "
-            f"max_new_tokens = {room}"
+            f"truncate_prompt_tokens={keep} cannot be greater than max_model_len "
+            f"{facts.max_model_len}"
         )
     return ids[-keep:]
 

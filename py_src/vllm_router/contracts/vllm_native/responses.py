@@ -32,22 +32,18 @@ class Wanted:
 
     text: bool
     token_ids: bool
-    logprobs: bool
-    candidates: bool
+    logprobs: bool  # with each position's candidates (none asked for: empty)
     prompt_token_ids: bool
     prompt_logprobs: bool
-    prompt_candidates: bool
 
     @classmethod
     def of(cls, response: npb.ResponseOptions) -> Wanted:
         return cls(
             text=response.output_text if response.HasField("output_text") else True,
             token_ids=response.output_token_ids,
-            logprobs=response.output_logprobs or response.HasField("output_candidates"),
-            candidates=response.HasField("output_candidates"),
+            logprobs=response.output_logprobs,
             prompt_token_ids=response.prompt_token_ids,
-            prompt_logprobs=response.prompt_logprobs or response.HasField("prompt_candidates"),
-            prompt_candidates=response.HasField("prompt_candidates"),
+            prompt_logprobs=response.prompt_logprobs,
         )
 
 
@@ -80,7 +76,6 @@ def prompt_info(
     if wanted.prompt_logprobs:
         info.logprobs.extend(0.0 if math.isnan(e.logprob) else e.logprob for e in entries)
         info.ranks.extend(e.rank or 0 for e in entries)
-    if wanted.prompt_candidates:
         info.candidate_tokens.extend(
             npb.CandidateTokenInfo() if math.isnan(e.logprob) else _candidates(e) for e in entries
         )
@@ -127,10 +122,10 @@ def sequence_output(
 def fill_scores(
     output: npb.SequenceOutput, entries: list[TokenLogprob] | None, wanted: Wanted
 ) -> None:
+    # As vllm-rs: with logprobs, every position has its (maybe empty) candidates.
     if wanted.logprobs and entries:
         output.logprobs.extend(e.logprob for e in entries)
         output.ranks.extend(e.rank or 0 for e in entries)
-    if wanted.candidates and entries:
         output.candidate_tokens.extend(_candidates(e) for e in entries)
 
 

@@ -1,0 +1,224 @@
+"""Our native contract against vLLM's Rust front end over gRPC, directly: what vllm-router does
+not send (logprobs, candidates, prompt scores, text prompts, LoRA, unary Generate, the Control
+RPCs) and the status codes for bad input. Same model, same engine flags (`real` and
+`vllm_rs_reference`): the same messages, in the same order."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+import pytest
+
+from vllm_router.proto import vllm_native_pb2 as npb
+from vllm_router.proto import vllm_native_pb2_grpc as npb_grpc
+
+import real_engine
+from harness import Harness, real_engine_idle, wait_until
+
+pytestmark = pytest.mark.vllm
+
+OURS_LORA = "native-lora"  # the same adapter vllm-rs preloads as real_engine.LORA_NAME
+
+
+def _round(values: Any) -> list[float]:
+    return [round(v, 2) if math.isfinite(v) else v for v in values]
+
+
+def _candidates(entries: Any) -> list[list[tuple[int, float, int]]]:
+    return [[(t.id, round(t.logprob, 2), t.rank) for t in c.tokens] for c in entries]
+
+
+def normalized(message: npb.GenerateResponse) -> tuple:
+    """A message as a client reads it (scores to 2 decimals: two engine processes)."""
+    info = message.prompt_info if message.HasField("prompt_info") else None
+    out = message.outputs if message.HasField("outputs") else None
+    finish = out.finish_info if out is not None and out.HasField("finish_info") else None
+    return (
+        None if info is None else (info.num_prompt_tokens, list(info.token_ids),
+                                   _round(info.logprobs), list(info.ranks),
+                                   _candidates(info.candidate_tokens)),
+        None if out is None else (out.index, out.text, out.num_tokens, list(out.token_ids),
+                                  _round(out.logprobs), list(out.ranks),
+                                  _candidates(out.candidate_tokens)),
+        None if finish is None else (finish.num_output_tokens, finish.finish_reason,
+                                     finish.WhichOneof("stop_reason"),
+                                     getattr(finish, finish.WhichOneof("stop_reason") or "index",
+                                             None)),
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+async def reference(vllm_rs_reference: str) -> AsyncIterator[grpc.aio.Channel]:
+    async with grpc.aio.insecure_channel(vllm_rs_reference) as channel:
+        yield channel
+
+
+async def _stream(channel: grpc.aio.Channel, req: npb.GenerateRequest) -> tuple | str:
+    """The prompt's message, then each sequence's messages joined (how many engine steps a
+    message carries depends on how fast its reader is), and its finish."""
+    try:
+        call = npb_grpc.InferenceStub(channel).GenerateStream(req)
+        messages = [normalized(m) async for m in call]
+    except grpc.aio.AioRpcError as exc:
+        return exc.code().name
+    first, *rest = messages
+    assert first[1:] == (None, None), "the first message carries the prompt's facts only"
+    assert all(info is None and output is not None for info, output, _ in rest)
+    joined: dict[int, list] = {}
+    for _, output, finish in rest:
+        index, text, count, ids, logprobs, ranks, candidates = output
+        seq = joined.setdefault(index, ["", 0, [], [], [], [], None])
+        seq[0] += text
+        seq[1] += count
+        for at, values in ((2, ids), (3, logprobs), (4, ranks), (5, candidates)):
+            seq[at] += values
+        assert seq[6] is None, "nothing after a sequence's finish"
+        seq[6] = finish
+    assert all(seq[6] is not None for seq in joined.values()), "every sequence finishes"
+    return first[0], sorted((i, tuple(map(str, seq))) for i, seq in joined.items())
+
+
+def _ids(ids: list[int], max_new: int = 8, **fields: Any) -> npb.GenerateRequest:
+    fields.setdefault("stopping", npb.StoppingCriteria(max_new_tokens=max_new))
+    req = npb.GenerateRequest(**fields)
+    req.token_ids.ids.extend(ids)
+    return req
+
+
+def _response(**fields: Any) -> npb.ResponseOptions:
+    return npb.ResponseOptions(output_token_ids=True, **fields)
+
+
+PROMPT = [1, 300, 301, 302, 303, 304]
+
+
+def cases() -> dict[str, npb.GenerateRequest]:
+    top3 = npb.CandidateTokens(top_n=3)
+    return {
+        "greedy": _ids(PROMPT, temperature=0, response=_response()),
+        "unset temperature is greedy": _ids(PROMPT, response=_response()),
+        "text prompt echoed": npb.GenerateRequest(
+            text="Hello worker", temperature=0,
+            stopping=npb.StoppingCriteria(max_new_tokens=6),
+            response=_response(prompt_token_ids=True)),
+        "text off": _ids(PROMPT, temperature=0, response=_response(output_text=False)),
+        "seeded": _ids(PROMPT, 12, temperature=0.9,
+                       sampling=npb.RandomSampling(seed=11, top_k=30, top_p=0.95),
+                       response=_response()),
+        "logprobs": _ids(PROMPT, 5, temperature=0, response=_response(output_logprobs=True)),
+        "logprobs top 3": _ids(PROMPT, 5, temperature=0, response=_response(
+            output_logprobs=True, output_candidates=top3)),
+        "logprobs by token id": _ids(PROMPT, 5, temperature=0, response=_response(
+            output_logprobs=True,
+            output_candidates=npb.CandidateTokens(token_ids=npb.TokenIds(ids=[5, 9, 300])))),
+        "prompt logprobs top 2": _ids(PROMPT, 2, temperature=0, response=_response(
+            prompt_logprobs=True, prompt_candidates=npb.CandidateTokens(top_n=2))),
+        "stop string kept": _ids(PROMPT, 30, temperature=0, stopping=npb.StoppingCriteria(
+            max_new_tokens=30, stop_strings=["e"], include_stop_strings=True),
+            response=_response()),
+        "min tokens": _ids(PROMPT, temperature=0, stopping=npb.StoppingCriteria(
+            max_new_tokens=10, min_new_tokens=10), response=_response()),
+        "bypass the prefix cache, salted": _ids(PROMPT, 4, temperature=0, kv=npb.KVCacheParameters(
+            bypass_prefix_cache=True, cache_salt="tenant-a"), response=_response()),
+        "truncated prompt": _ids(PROMPT, 4, temperature=0, truncate_prompt_tokens=3,
+                                 response=_response(prompt_token_ids=True)),
+        # Bad input: the same status code.
+        "empty prompt": _ids([], temperature=0),
+        "prompt over the context": _ids([300] * 300, temperature=0),
+        "temperature out of range": _ids(PROMPT, temperature=5),
+        "top_p out of range": _ids(PROMPT, temperature=1, sampling=npb.RandomSampling(top_p=2)),
+        "min over max": _ids(PROMPT, temperature=0, stopping=npb.StoppingCriteria(
+            max_new_tokens=2, min_new_tokens=5)),
+        "too many logprobs": _ids(PROMPT, temperature=0, response=_response(
+            output_logprobs=True, output_candidates=npb.CandidateTokens(top_n=50))),
+        "whole-vocabulary logprobs": _ids(PROMPT, temperature=0, response=_response(
+            output_logprobs=True, output_candidates=npb.CandidateTokens(all=True))),
+        "prompt candidates by id": _ids(PROMPT, temperature=0, response=_response(
+            prompt_logprobs=True,
+            prompt_candidates=npb.CandidateTokens(token_ids=npb.TokenIds(ids=[5])))),
+        "unknown model": _ids(PROMPT, temperature=0, model="no-such-model"),
+        "unknown LoRA": _ids(PROMPT, temperature=0, lora_name="no-such-adapter"),
+        "truncation within the context": _ids(PROMPT, 100, temperature=0,
+                                              truncate_prompt_tokens=200, response=_response()),
+        "truncation past the context": _ids(PROMPT, temperature=0, truncate_prompt_tokens=300),
+    }  # fmt: skip
+
+
+async def test_same_messages_as_vllm_rs(
+    real: Harness, reference: grpc.aio.Channel, figures
+) -> None:
+    mismatches = []
+    for name, req in cases().items():
+        ours, theirs = await _stream(real.channel, req), await _stream(reference, req)
+        if ours != theirs:
+            mismatches.append(f"{name}:\n  ours   {ours}\n  theirs {theirs}")
+    assert not mismatches, "\n".join(mismatches)
+    await wait_until(lambda: real_engine_idle(real), 10.0, "the engine to be idle")
+    figures(f"{len(cases())} native requests: the same messages or status as vllm-rs")
+
+
+async def test_unary_generate_as_vllm_rs(real: Harness, reference: grpc.aio.Channel) -> None:
+    req = _ids(PROMPT, 6, temperature=0, response=_response(prompt_token_ids=True,
+                                                            output_logprobs=True))  # fmt: skip
+    ours = await npb_grpc.InferenceStub(real.channel).Generate(req)
+    theirs = await npb_grpc.InferenceStub(reference).Generate(req)
+    assert normalized(ours) == normalized(theirs)
+    assert ours.outputs.num_tokens == 6 and ours.prompt_info.num_prompt_tokens == len(PROMPT)
+
+
+async def test_lora_requests_as_vllm_rs(real: Harness, reference: grpc.aio.Channel) -> None:
+    ctl = npb_grpc.ControlStub(real.channel)
+    adapter = str(real_engine.tiny_lora())
+    loaded = await ctl.LoadLora(npb.LoadLoraRequest(lora_name=OURS_LORA, source_path=adapter))
+    try:
+        assert (loaded.adapter.lora_name, loaded.adapter.source_path) == (OURS_LORA, adapter)
+        listed = await ctl.ListLoras(npb.ListLorasRequest())
+        assert OURS_LORA in [a.lora_name for a in listed.adapters]
+        ours = await _stream(real.channel, _ids(PROMPT, 8, temperature=0, lora_name=OURS_LORA,
+                                                response=_response()))  # fmt: skip
+        theirs = await _stream(reference, _ids(PROMPT, 8, temperature=0, response=_response(),
+                                                lora_name=real_engine.LORA_NAME))  # fmt: skip
+        base = await _stream(real.channel, _ids(PROMPT, 8, temperature=0, response=_response()))
+        assert ours == theirs and ours != base
+    finally:
+        unloaded = await ctl.UnloadLora(npb.UnloadLoraRequest(lora_name=OURS_LORA))
+    assert unloaded.adapter.lora_name == OURS_LORA
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await ctl.UnloadLora(npb.UnloadLoraRequest(lora_name=OURS_LORA))
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+async def test_control_facts_as_vllm_rs(real: Harness, reference: grpc.aio.Channel) -> None:
+    ours, theirs = npb_grpc.ControlStub(real.channel), npb_grpc.ControlStub(reference)
+    a = await ours.GetServerInfo(npb.GetServerInfoRequest())
+    b = await theirs.GetServerInfo(npb.GetServerInfoRequest())
+    same = ("engine_version", "api_version", "max_model_len", "kv_block_size", "total_kv_blocks",
+            "max_running_requests", "max_batched_tokens", "max_loras")  # fmt: skip
+    assert {f: getattr(a, f) for f in same} == {f: getattr(b, f) for f in same}
+    assert a.parallelism == b.parallelism
+    assert a.rl_capabilities == b.rl_capabilities
+    a_model = await ours.GetModelInfo(npb.GetModelInfoRequest())
+    b_model = await theirs.GetModelInfo(npb.GetModelInfoRequest())
+    assert a_model == b_model
+    for rpc in ("IsPaused", "IsSleeping", "GetWeightVersion"):
+        request = getattr(npb, f"{rpc}Request")()
+        assert await getattr(ours, rpc)(request) == await getattr(theirs, rpc)(request), rpc
+    assert await ours.Abort(npb.AbortRequest(request_ids=["nobody"])) == npb.AbortResponse()
+    # `real` publishes KV events on an ipc endpoint of its own (vllm-rs's engine publishes none).
+    sources = await ours.GetKvEventSources(npb.GetKvEventSourcesRequest())
+    (source,) = sources.sources
+    assert (source.transport, source.encoding, source.data_parallel_rank) == ("zmq", "msgpack", 0)
+    assert source.endpoint.startswith("ipc://")
+
+
+async def test_sequences_beyond_vllm_rs(real: Harness, reference: grpc.aio.Channel) -> None:
+    """num_sequences > 1: vllm-rs refuses it; this worker serves it (a kept difference)."""
+    req = _ids(PROMPT, 6, temperature=0.9, sampling=npb.RandomSampling(num_sequences=2, seed=4),
+               response=_response())  # fmt: skip
+    assert await _stream(reference, req) == "INVALID_ARGUMENT"
+    ours = await _stream(real.channel, req)
+    assert isinstance(ours, tuple)
+    assert [(index, seq[1]) for index, seq in ours[1]] == [(0, "6"), (1, "6")]
