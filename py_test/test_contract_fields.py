@@ -10,16 +10,20 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import inspect
+from typing import Any
 
 import pytest
+from google.protobuf import struct_pb2
 from google.protobuf.descriptor import FieldDescriptor
 from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 
 from vllm_router.contracts.vllm_engine_v1 import convert
 from vllm_router.contracts.vllm_grpc_engine import convert as official_convert
+from vllm_router.contracts.vllm_native import convert as native_convert
 from vllm_router.engine import GenerationRequest, ModelFacts, SamplingOptions
 from vllm_router.errors import ServicerError
 from vllm_router.proto import vllm_engine_pb2 as pb
+from vllm_router.proto import vllm_native_pb2 as npb
 
 from harness import require
 
@@ -178,3 +182,79 @@ def test_every_official_request_field_is_used_or_refused(field: FieldDescriptor)
     changed.CopyFrom(base)
     _set_official(changed, field)
     assert _official(changed) != _official(base), f"GenerateRequest.{field.name} is ignored"
+
+
+# -- vLLM's native contract (vllm.Inference) ----------------------------------------------------
+
+# Read by the servicer (what goes back to the client), not by the request conversion.
+NATIVE_SERVICER_FIELDS = {
+    "response.output_token_ids": "token ids in each SequenceOutput",
+    "response.prompt_token_ids": "the prompt's ids in PromptInfo",
+}
+NATIVE_VALUES: dict[str, object] = {
+    "token_ids": npb.TokenIds(ids=[4, 5]),
+    "choice": npb.StringChoices(choices=["a"]),
+    "prompt_candidates": npb.CandidateTokens(top_n=2),
+    "output_candidates": npb.CandidateTokens(top_n=2),
+    "kv_transfer_params": struct_pb2.Struct(fields={"k": struct_pb2.Value(string_value="v")}),
+    "ec_transfer_params": struct_pb2.Struct(fields={"k": struct_pb2.Value(string_value="v")}),
+    "media": npb.MediaItem(url="data:,x"),
+    "kv_hints": npb.KvHints(message_id="m"),
+    "engine_reasoning_gate": npb.ReasoningGate(reasoning_ended=True),
+    "bad_words_token_ids": npb.TokenIds(ids=[3]),
+}
+# Sub-messages whose fields are checked one by one.
+NATIVE_PARTS = ("sampling", "decoding", "stopping", "response", "kv")
+
+
+def _native_fields() -> list[tuple[str, FieldDescriptor]]:
+    fields = [("", f) for f in npb.GenerateRequest.DESCRIPTOR.fields if f.name not in NATIVE_PARTS]
+    for part in NATIVE_PARTS:
+        message = npb.GenerateRequest.DESCRIPTOR.fields_by_name[part].message_type
+        fields += [(part, f) for f in message.fields]
+    return [(p, f) for p, f in fields if f"{p}.{f.name}" not in NATIVE_SERVICER_FIELDS]
+
+
+def _set_native(message: Any, field: FieldDescriptor) -> None:
+    target = getattr(message, field.name)
+    if field.name in NATIVE_VALUES:
+        value = NATIVE_VALUES[field.name]
+        (target.add() if field.is_repeated else target).CopyFrom(value)
+    elif field.message_type is not None and field.message_type.GetOptions().map_entry:
+        target[7] = 0.5
+    elif field.cpp_type == FieldDescriptor.CPPTYPE_STRING:
+        if field.is_repeated:
+            target.append("x")
+        else:
+            setattr(message, field.name, "x")
+    else:
+        _set_official(message, field)
+
+
+def _native(request: npb.GenerateRequest) -> GenerationRequest | str:
+    try:
+        return native_convert.to_generation_request(request, FACTS, None, None)
+    except ServicerError as exc:
+        return exc.code.name
+
+
+@pytest.mark.parametrize(
+    ("part", "field"), _native_fields(), ids=lambda v: v if isinstance(v, str) else v.name
+)
+def test_every_native_request_field_is_used_or_refused(part: str, field: FieldDescriptor) -> None:
+    base = npb.GenerateRequest(token_ids=npb.TokenIds(ids=[1, 2, 3]))
+    # Candidates and prompt scores count only with their logprobs switch, as vllm-rs reads them.
+    if part == "response" and field.name in ("output_candidates", "prompt_candidates"):
+        base.response.output_logprobs = base.response.prompt_logprobs = True
+    changed = npb.GenerateRequest()
+    changed.CopyFrom(base)
+    _set_native(getattr(changed, part) if part else changed, field)
+    name = f"{part}.{field.name}" if part else field.name
+    assert _native(changed) != _native(base), f"GenerateRequest.{name} is ignored"
+
+
+def test_the_native_servicer_fields_are_real_fields() -> None:
+    for name in NATIVE_SERVICER_FIELDS:
+        part, field = name.split(".")
+        message = npb.GenerateRequest.DESCRIPTOR.fields_by_name[part].message_type
+        assert field in message.fields_by_name, name
