@@ -45,7 +45,7 @@ QUIET_PIP := grep -v "^WARNING: Location" || true
 help:
 	@echo "make test    install into $(VENV) (from nothing) and run the whole suite"
 	@echo "make serve   serve the tiny built-in model on $(HOST):$(PORT) (MODEL=smollm2, MODEL=..., MOCK=1)"
-	@echo "make router  the servicer on SmolLM2-135M-Instruct + the SMG router: OpenAI API on $(HOST):$(ROUTER_PORT)"
+	@echo "make router  the servicer on SmolLM2-135M-Instruct + a Rust router: OpenAI API on $(HOST):$(ROUTER_PORT) (ROUTER=smg or vllm-router)"
 	@echo "make stress  the soak/storm/fuzz suites at full scale"
 	@echo "make bench   benchmark ours vs vLLM's HTTP and gRPC servers vs the engine alone"
 	@echo "make lint    ruff format --check + ruff check + mypy + buf lint + buf breaking"
@@ -154,8 +154,22 @@ else
 		--enable-lora --max-lora-rank 8 $(SERVE_ARGS)
 endif
 
-# The whole stack on a laptop: the servicer (real engine, the real trained model) and the
-# SMG router in front of it, serving OpenAI's API. Ctrl-C stops both.
+# The whole stack on a laptop: the servicer (real engine, the real trained model) and a
+# Rust router in front of it, serving OpenAI's API. ROUTER=smg (default: SMG, speaking
+# vllm.grpc.engine) or ROUTER=vllm-router (the vllm-project's router, speaking vLLM's native
+# vllm.Inference). Ctrl-C stops both.
+ROUTER ?= smg
+ifeq ($(ROUTER),vllm-router)
+ROUTER_COMMAND = VLLM_ROUTER_TOKENIZER=$(REAL_MODEL_DIR) $(VLLM_ROUTER_VENV)/bin/vllm-router \
+	--host $(HOST) --port $(ROUTER_PORT) --worker-urls grpc://127.0.0.1:$(PORT) \
+	--policy round_robin --prometheus-port 29000
+else ifeq ($(ROUTER),smg)
+ROUTER_COMMAND = $(ROUTER_VENV)/bin/smg launch --host $(HOST) --port $(ROUTER_PORT) \
+	--worker-urls grpc://127.0.0.1:$(PORT) --model-path $(REAL_MODEL_DIR) --backend vllm \
+	--prometheus-host 127.0.0.1 --prometheus-port 29000
+else
+ROUTER_COMMAND = $(error ROUTER must be smg or vllm-router, not $(ROUTER))
+endif
 router: install
 	$(BIN)/python -m vllm_router.testing.real_model $(REAL_MODEL_DIR)
 	@$(CPU_ENV) $(BIN)/vllm-servicer --model $(REAL_MODEL_DIR) --host 127.0.0.1 --port $(PORT) \
@@ -164,9 +178,7 @@ router: install
 	until $(BIN)/python -m vllm_router.testing.wait_serving 127.0.0.1:$(PORT); do \
 		kill -0 $$servicer || exit 1; sleep 1; done; \
 	echo "Try: curl http://$(HOST):$(ROUTER_PORT)/v1/chat/completions -H 'Content-Type: application/json' -d '{\"model\": \"$(REAL_MODEL_DIR)\", \"messages\": [{\"role\": \"user\", \"content\": \"What is the capital of France?\"}], \"max_tokens\": 32, \"temperature\": 0}'"; \
-	$(ROUTER_VENV)/bin/smg launch --host $(HOST) --port $(ROUTER_PORT) \
-		--worker-urls grpc://127.0.0.1:$(PORT) --model-path $(REAL_MODEL_DIR) --backend vllm \
-		--prometheus-host 127.0.0.1 --prometheus-port 29000
+	$(ROUTER_COMMAND)
 
 # Benchmarks: vLLM's own gRPC launcher (smg packages, --no-deps so they pull no CUDA vLLM)
 # and matplotlib for the plot live only in the bench environment; SMG's Rust servicer too,
