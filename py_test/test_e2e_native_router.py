@@ -133,3 +133,27 @@ async def test_client_disconnect_through_vllm_router_leaves_nothing_running(
     await asyncio.to_thread(start_and_drop)
     await wait_until(lambda: real_engine_idle(real), 10.0, "the engine to abort the request")
     assert not real.server.requests.in_flight
+
+
+async def test_both_rust_routers_on_one_worker_at_once(
+    real: Harness, router_ours: str, vllm_router_ours: str
+) -> None:
+    """The SMG router (vllm.grpc.engine) and vllm-router (vllm.Inference) drive the same worker
+    at the same time: one engine, one request table, every answer as when each runs alone."""
+    model = str(real.model_dir)
+    bodies = [{"model": model, **chat(f"Both at once {i}", max_tokens=12, temperature=0)}
+              for i in range(8)]  # fmt: skip
+    alone = [await ask(vllm_router_ours, CHAT, body, False) for body in bodies]
+    alone_smg = [await ask(router_ours, CHAT, body, False) for body in bodies]
+    assert alone == alone_smg  # two contracts, one engine: the same tokens
+    together = await asyncio.gather(
+        *(ask(base, CHAT, body, streamed)
+          for body in bodies for base in (router_ours, vllm_router_ours)
+          for streamed in (False, True))
+    )  # fmt: skip
+    unary = together[0::2]
+    assert unary == [answer for answer in alone for _ in range(2)]
+    for answer, streamed in zip(unary, together[1::2], strict=True):
+        assert streamed[0] == [(0, answer[1][0][1])] and streamed[1] == [(0, answer[1][0][3])]
+    await wait_until(lambda: real_engine_idle(real), 10.0, "the engine to be idle")
+    assert not real.server.requests.in_flight

