@@ -57,13 +57,14 @@ def vllm_rs_server(
 
 @contextlib.contextmanager
 def vllm_router(workers: list[str], model: Path, log: Path, *extra: str) -> Iterator[str]:
-    """`vllm-router` in front of gRPC workers (`grpc://address`, `@rank` suffixes allowed);
+    """`vllm-router` in front of gRPC workers (`grpc://address`, `@rank` suffixes allowed; with
+    none, `extra` names them, e.g. --vllm-pd-disaggregation --prefill ... --decode ...);
     yields its HTTP base URL once it lists the model."""
     binary = vllm_router_path()
     assert binary is not None, "vllm-router is not installed (make test installs it)"
     port, metrics_port = free_port(), free_port()
     command = [binary, "--host", "127.0.0.1", "--port", str(port),
-               "--worker-urls", *(f"grpc://{w}" for w in workers),
+               *(["--worker-urls", *(f"grpc://{w}" for w in workers)] if workers else []),
                # A test's one failure must not close the circuit on every later request.
                "--disable-circuit-breaker", "--disable-retries",
                "--prometheus-port", str(metrics_port), *extra]  # fmt: skip

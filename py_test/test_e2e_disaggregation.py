@@ -23,6 +23,7 @@ import pytest_asyncio
 from smg_grpc_proto import vllm_engine_pb2 as vpb
 from smg_grpc_proto import vllm_engine_pb2_grpc as vpb_grpc
 
+import native_servers
 import routers
 import servers
 from harness import Harness, Samples, require, scrape
@@ -100,6 +101,7 @@ async def pd(real: Harness, tmp_path_factory: pytest.TempPathFactory) -> AsyncIt
     own (where the prefill's KV never arrives); a router in front of each pair."""
     require_vllm()
     require(routers.smg_path() is not None, "smg is not installed (make test)")
+    require(native_servers.vllm_router_path() is not None, "vllm-router is not installed")
     assert real.model_dir is not None
     model = real.model_dir
     shared = tmp_path_factory.mktemp("kv-shared")
@@ -123,23 +125,28 @@ async def pd(real: Harness, tmp_path_factory: pytest.TempPathFactory) -> AsyncIt
             routers.smg_router_in_thread(
                 [], model, model.parent / "router-pd-lonely.log", *pd_args(prefill, lonely)
             ) as lonely_base,
-        ):
+            native_servers.vllm_router_in_thread(
+                [], model, model.parent / "vllm-router-pd.log", "--vllm-pd-disaggregation",
+                "--prefill", f"grpc://{prefill.address}", "--decode", f"grpc://{decode.address}",
+            ) as vllm_router_base,
+        ):  # fmt: skip
             yield {"base": base, "lonely_base": lonely_base, "prefill": prefill,
-                   "decode": decode, "lonely": lonely, "shared": shared}  # fmt: skip
+                   "decode": decode, "lonely": lonely, "shared": shared,
+                   "vllm_router_base": vllm_router_base}  # fmt: skip
     finally:
         for worker in workers:
             await worker.process.stop()
 
 
-def cases(model: str) -> list[tuple[str, str, dict[str, Any]]]:
+def cases(model: str, lead: str = "") -> list[tuple[str, str, dict[str, Any]]]:
     """(name, path, body): each with its own prompt, so no case reuses another's KV."""
     greedy = {"max_tokens": 12, "temperature": 0.0, "model": model}
     seeded = {"max_tokens": 12, "temperature": 0.9, "seed": 11, "model": model}
     return [
-        ("completion greedy", COMPLETIONS, {"prompt": "One. " + BODY, **greedy}),
-        ("completion seeded", COMPLETIONS, {"prompt": "Two. " + BODY, **seeded}),
-        ("chat greedy", CHAT, {**chat("Three. " + BODY), **greedy}),
-        ("chat seeded", CHAT, {**chat("Four. " + BODY), **seeded}),
+        ("completion greedy", COMPLETIONS, {"prompt": lead + "One. " + BODY, **greedy}),
+        ("completion seeded", COMPLETIONS, {"prompt": lead + "Two. " + BODY, **seeded}),
+        ("chat greedy", CHAT, {**chat(lead + "Three. " + BODY), **greedy}),
+        ("chat seeded", CHAT, {**chat(lead + "Four. " + BODY), **seeded}),
     ]
 
 
@@ -151,18 +158,29 @@ async def test_the_router_pairs_our_workers_by_what_they_report(pd: dict) -> Non
     assert prefill.kv_engine_id != decode.kv_engine_id
 
 
+@pytest.mark.parametrize("router", ["smg", "vllm-router"])
 async def test_decode_reads_the_prefills_kv_and_answers_as_one_worker(
-    pd: dict, router_ours: str, real: Harness, figures
+    pd: dict, router_ours: str, vllm_router_ours: str, real: Harness, figures, router: str
 ) -> None:
+    """Through either router's PD mode (SMG: vllm.grpc.engine; vllm-router: vLLM's native
+    contract, its prefill leg a unary Generate), against the same router in front of one
+    aggregated worker (the session's)."""
     decode: Worker = pd["decode"]
     prefill: Worker = pd["prefill"]
     model = str(real.model_dir)
+    if router == "smg":
+        base, one = pd["base"], router_ours
+        todo = cases(model)
+    else:
+        base, one = pd["vllm_router_base"], vllm_router_ours
+        # Its gRPC PD mode serves chat only; prompts of its own, so no KV is reused.
+        todo = [case for case in cases(model, "Again. ") if case[1] == CHAT]
     moved = []
-    for name, path, body in cases(model):
+    for name, path, body in todo:
         before_d, before_p = await decode.by_source(), await prefill.by_source()
-        through_pd = await ask(pd["base"], path, body, streamed=False)
+        through_pd = await ask(base, path, body, streamed=False)
         after_d, after_p = await decode.by_source(), await prefill.by_source()
-        one_worker = await ask(router_ours, path, body, streamed=False)
+        one_worker = await ask(one, path, body, streamed=False)
         assert through_pd == one_worker, name
         assert through_pd[0] == 200, through_pd
         prompt_tokens = through_pd[2][0]
@@ -178,7 +196,7 @@ async def test_decode_reads_the_prefills_kv_and_answers_as_one_worker(
         assert gained(after_d, before_d, "external_kv_transfer") == stored, name
         assert gained(after_d, before_d, "local_compute") == prompt_tokens - stored, name
         moved.append(f"{name}: {stored}/{prompt_tokens}")
-    figures("PD through the router = one worker on 4 cases; decode read from the prefill's KV "
+    figures(f"PD through {router} = one worker on {len(todo)} cases; decode read from the prefill's KV "
             f"(tokens transferred/prompt): {'; '.join(moved)}")  # fmt: skip
 
 
