@@ -196,7 +196,7 @@ async def test_decode_reads_the_prefills_kv_and_answers_as_one_worker(
         assert gained(after_d, before_d, "external_kv_transfer") == stored, name
         assert gained(after_d, before_d, "local_compute") == prompt_tokens - stored, name
         moved.append(f"{name}: {stored}/{prompt_tokens}")
-    figures(f"PD through {router} = one worker on {len(todo)} cases; decode read from the prefill's KV "
+    figures(f"PD through {router} = one worker on {len(todo)} cases; decode read the prefill's KV "
             f"(tokens transferred/prompt): {'; '.join(moved)}")  # fmt: skip
 
 
