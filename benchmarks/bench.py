@@ -44,13 +44,24 @@ TARGETS = (
     "vllm-rs",
     "router-ours",
     "router-vllm-grpc",
+    "ours-native",
+    "vllm-rs-grpc",
+    "vllm-router-ours",
+    "vllm-router-vllm-rs",
     "ours-mock",
     "grpc-floor",
 )
-# Router targets: the SMG router (OpenAI streaming chat) in front of this worker target.
-ROUTED = {"router-ours": "ours", "router-vllm-grpc": "vllm-grpc"}
+# Router targets: a Rust router (OpenAI streaming chat) in front of a worker target: SMG
+# (vllm.grpc.engine) or vllm-router (vLLM's native vllm.Inference).
+ROUTED = {
+    "router-ours": "ours",
+    "router-vllm-grpc": "vllm-grpc",
+    "vllm-router-ours": "ours",
+    "vllm-router-vllm-rs": "vllm-rs-grpc",
+}
+VLLM_ROUTER = ("vllm-router-ours", "vllm-router-vllm-rs")
 # Targets served by another target's server, with a different request.
-SAME_SERVER = {**ROUTED, "ours-si4": "ours", "ours-batched": "ours"}
+SAME_SERVER = {**ROUTED, "ours-si4": "ours", "ours-batched": "ours", "ours-native": "ours"}
 # Stream interval 4: ours per request (SamplingParams.stream_interval), vLLM's --grpc
 # launcher engine-wide (--stream-interval 4: it has no per-request field).
 STREAM_INTERVAL = {"ours-si4": 4, "vllm-grpc-si4": 4}
@@ -69,8 +80,13 @@ CLIENT = {
     "vllm-rs": clients.vllm_http,
     "router-ours": clients.openai_chat,
     "router-vllm-grpc": clients.openai_chat,
+    "ours-native": clients.native,
+    "vllm-rs-grpc": clients.native,
+    "vllm-router-ours": clients.openai_chat,
+    "vllm-router-vllm-rs": clients.openai_chat,
 }
 SMG = ROOT / ".venv-router" / "bin" / "smg"
+VLLM_ROUTER_BIN = ROOT / ".venv-vllm-router" / "bin" / "vllm-router"
 # The Rust anchors' pieces (make bench fetches them; see the Makefile).
 BENCH_DIR = ROOT / ".cache" / "bench"
 VLLM_RS_DIR = ROOT / ".cache" / "vllm-rs"  # installed by make test (and make bench)
@@ -86,6 +102,7 @@ TARGET_ENV = {
         "VLLM_RUST_FRONTEND_PATH": str(VLLM_RS),
     },
 }
+TARGET_ENV["vllm-rs-grpc"] = TARGET_ENV["vllm-rs"]
 # Targets answering OpenAI HTTP (ready when /health answers 200).
 HTTP_TARGETS = ("vllm-http", "vllm-rs")
 
@@ -126,6 +143,10 @@ def command(target: str, model: str, port: int, max_model_len: int) -> list[str]
         "vllm-rs": [str(VLLM_RS), "serve", model, "--python", py, "--host", "127.0.0.1",
                     "--port", str(port), "--max-model-len", str(max_model_len), "--",
                     *ENGINE_FLAGS],
+        # Its gRPC services on `port`; its HTTP server on another port (unused).
+        "vllm-rs-grpc": [str(VLLM_RS), "serve", model, "--python", py, "--host", "127.0.0.1",
+                         "--port", str(free_port()), "--grpc-port", str(port),
+                         "--max-model-len", str(max_model_len), "--", *ENGINE_FLAGS],
     }[target]  # fmt: skip
 
 
@@ -176,12 +197,23 @@ def grpc_channel(address: str):
     return grpc.aio.insecure_channel(address)
 
 
-async def _spawn_router(args: argparse.Namespace, worker: str) -> tuple[subprocess.Popen, str]:
+async def _spawn_router(
+    args: argparse.Namespace, worker: str, target: str
+) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    command = [str(SMG), "launch", "--host", "127.0.0.1", "--port", str(port), "--worker-urls",
-               f"grpc://{worker}", "--model-path", args.model, "--backend", "vllm",
-               "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]  # fmt: skip
-    process = _start_logged(command, args.out / "router.log")
+    if target in VLLM_ROUTER:
+        command = [str(VLLM_ROUTER_BIN), "--host", "127.0.0.1", "--port", str(port),
+                   "--worker-urls", f"grpc://{worker}", "--policy", "round_robin",
+                   "--disable-circuit-breaker", "--disable-retries",
+                   "--prometheus-port", str(free_port())]  # fmt: skip
+        env = {**os.environ, "VLLM_ROUTER_TOKENIZER": args.model}
+    else:
+        command = [str(SMG), "launch", "--host", "127.0.0.1", "--port", str(port),
+                   "--worker-urls", f"grpc://{worker}", "--model-path", args.model,
+                   "--backend", "vllm", "--prometheus-host", "127.0.0.1",
+                   "--prometheus-port", str(free_port())]  # fmt: skip
+        env = None
+    process = _start_logged(command, args.out / "router.log", env)
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
@@ -195,9 +227,11 @@ async def _spawn_router(args: argparse.Namespace, worker: str) -> tuple[subproce
     raise RuntimeError("the router was not ready after 120s")
 
 
-def _start_logged(command: list[str], log_path: Path) -> subprocess.Popen:
+def _start_logged(
+    command: list[str], log_path: Path, env: dict[str, str] | None = None
+) -> subprocess.Popen:
     with open(log_path, "w") as log:
-        return subprocess.Popen(command, stdout=log, stderr=log)
+        return subprocess.Popen(command, stdout=log, stderr=log, env=env)
 
 
 def _http_body(url: str) -> bytes:
@@ -216,7 +250,7 @@ async def measure_server(
     try:
         await wait_ready(worker, address, process, timeout=300)
         if target in ROUTED:
-            router, base = await _spawn_router(args, address)
+            router, base = await _spawn_router(args, address, target)
             address = base
         results = []
         for workload in levels:
@@ -247,6 +281,8 @@ async def measure_server(
             result["text"] = {
                 "vllm-grpc": False,
                 "smg-rust": False,
+                "ours-native": False,
+                "vllm-rs-grpc": False,
                 "vllm-http": True,
                 "vllm-rs": True,
             }.get(target, True if target in ROUTED else not workload.skip_detokenize)

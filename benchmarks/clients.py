@@ -150,6 +150,31 @@ def vllm_grpc(address: str, workload: Workload) -> tuple[Callable[[], Awaitable[
     return channel.close, one
 
 
+def native(address: str, workload: Workload) -> tuple[Callable[[], Awaitable[None]], OneRequest]:
+    """vLLM's native contract (vllm.Inference.GenerateStream), as vllm-router sends it: token
+    ids in, token ids out, no text."""
+    from vllm_router.proto import vllm_native_pb2 as npb
+    from vllm_router.proto import vllm_native_pb2_grpc as npb_grpc
+
+    channel = grpc.aio.insecure_channel(address)
+    stub = npb_grpc.InferenceStub(channel)
+
+    async def one(i: int, prompt: list[int], record: Record) -> None:
+        request = npb.GenerateRequest(
+            request_id=f"bench-{i}-{time.monotonic_ns()}",
+            token_ids=npb.TokenIds(ids=prompt),
+            temperature=workload.temperature,
+            sampling=npb.RandomSampling(seed=i),
+            stopping=npb.StoppingCriteria(max_new_tokens=workload.output_len, ignore_eos=True),
+            response=npb.ResponseOptions(output_text=False, output_token_ids=True),
+        )
+        async for message in stub.GenerateStream(request):
+            if message.HasField("outputs"):
+                record.message(len(message.outputs.token_ids))
+
+    return channel.close, one
+
+
 def _openai_session(base: str) -> tuple[Any, Callable[[], Awaitable[str]]]:
     """An HTTP session for an OpenAI-style server, and the name of the model it serves."""
     import aiohttp

@@ -96,6 +96,18 @@ TARGET_RATIOS = [
     ("tokens/s ours-metrics vs ours", "ours-metrics", "ours", "tokens_per_s", 0.97, ">="),
     ("CPU/token ours-metrics vs ours", "ours-metrics", "ours", "cpu_us_per_token", None, ""),
     ("ITL p50 ours vs engine", "ours", "engine", "itl_p50_ms", 1.05, "<="),
+    # vLLM's native contract: per request against vLLM's Rust front end over gRPC, and
+    # vllm-router in front of each.
+    ("CPU/token ours-native vs vllm-rs-grpc", "ours-native", "vllm-rs-grpc",
+     "cpu_us_per_token", None, ""),
+    ("CPU/token ours-native vs vllm-grpc", "ours-native", "vllm-grpc", "cpu_us_per_token",
+     0.6, "<="),
+    ("tokens/s ours-native vs vllm-rs-grpc", "ours-native", "vllm-rs-grpc", "tokens_per_s",
+     None, ""),
+    ("tokens/s vllm-router-ours vs vllm-router-vllm-rs", "vllm-router-ours",
+     "vllm-router-vllm-rs", "tokens_per_s", None, ""),
+    ("CPU/token vllm-router-ours vs vllm-router-vllm-rs", "vllm-router-ours",
+     "vllm-router-vllm-rs", "cpu_us_per_token", None, ""),
 ]  # fmt: skip
 
 
