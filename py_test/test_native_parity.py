@@ -222,3 +222,34 @@ async def test_sequences_beyond_vllm_rs(real: Harness, reference: grpc.aio.Chann
     ours = await _stream(real.channel, req)
     assert isinstance(ours, tuple)
     assert [(index, seq[1]) for index, seq in ours[1]] == [(0, "6"), (1, "6")]
+
+
+@pytest.mark.parametrize(
+    ("mode", "finish"), [(npb.PAUSE_MODE_ABORT, npb.ABORTED), (npb.PAUSE_MODE_KEEP, npb.LENGTH)]
+)
+async def test_pause_and_resume_the_engine(real: Harness, mode: int, finish: int) -> None:
+    """PauseGeneration on the real engine: ABORT ends the request in flight (ABORTED), KEEP
+    freezes it and it finishes all its tokens after ResumeGeneration."""
+    ctl = npb_grpc.ControlStub(real.channel)
+    stopping = npb.StoppingCriteria(max_new_tokens=240, ignore_eos=True)
+    call = npb_grpc.InferenceStub(real.channel).GenerateStream(
+        _ids(PROMPT, temperature=0, stopping=stopping, response=_response())
+    )
+    await call.read()  # prompt_info
+    await call.read()  # the first tokens: running in the engine
+    try:
+        await ctl.PauseGeneration(npb.PauseGenerationRequest(mode=mode, clear_cache=False))  # type: ignore[arg-type]
+        assert (await ctl.IsPaused(npb.IsPausedRequest())).paused
+    finally:
+        await ctl.ResumeGeneration(npb.ResumeGenerationRequest())
+    assert not (await ctl.IsPaused(npb.IsPausedRequest())).paused
+    rest = []
+    while (message := await call.read()) is not grpc.aio.EOF:
+        rest.append(message)
+    done = rest[-1].outputs.finish_info
+    assert done.finish_reason == finish, done
+    if finish == npb.LENGTH:
+        assert done.num_output_tokens == 240
+    await wait_until(lambda: real_engine_idle(real), 10.0, "the engine to be idle")
+    after = await _stream(real.channel, _ids(PROMPT, 3, temperature=0, response=_response()))
+    assert isinstance(after, tuple)  # it serves on

@@ -205,6 +205,42 @@ async def test_vllm_contract_media_refs_match_the_openai_server(
         assert complete.prompt_tokens == theirs["usage"]["prompt_tokens"], name
 
 
+async def test_native_contract_media_match_the_openai_server(vlm: Harness, vlm_http: str) -> None:
+    """vLLM's native contract: `media` as raw bytes, and as data: URLs, in prompt order."""
+    from vllm_router.proto import vllm_native_pb2 as npb
+    from vllm_router.proto import vllm_native_pb2_grpc as npb_grpc
+
+    stub = npb_grpc.InferenceStub(vlm.channel)
+    for name, content, sampling in CASES[:3] + CASES[6:7] + CASES[9:]:
+        theirs = await asyncio.to_thread(
+            post, vlm_http + "/v1/chat/completions", chat_body(content, sampling)
+        )
+        urls = [p["image_url"]["url"] for p in content if p["type"] == "image_url"]
+        for form in ("raw_bytes", "data_uri"):
+            media = [
+                npb.MediaItem(raw_bytes=data)
+                if form == "raw_bytes"
+                else npb.MediaItem(data_uri=url)
+                for data, url in zip(images_of(content), urls, strict=True)
+            ]
+            message = npb.GenerateRequest(
+                token_ids=npb.TokenIds(ids=template_ids(content)),
+                temperature=sampling["temperature"],
+                sampling=npb.RandomSampling(seed=sampling.get("seed")),
+                stopping=npb.StoppingCriteria(max_new_tokens=sampling["max_tokens"]),
+                response=npb.ResponseOptions(output_token_ids=True),
+                media=media,
+            )
+            if "seed" not in sampling:
+                message.sampling.ClearField("seed")
+            answer = [m async for m in stub.GenerateStream(message)]
+            ids = [t for m in answer[1:] for t in m.outputs.token_ids]
+            assert ids == theirs["choices"][0]["token_ids"], (name, form)
+            expected = theirs["usage"]["prompt_tokens"]
+            assert answer[0].prompt_info.num_prompt_tokens == expected, (name, form)
+    await wait_until(lambda: real_engine_idle(vlm), what="the engine is idle")
+
+
 async def _processed(harness: Harness, ids: list[int], images: list[bytes]) -> Any:
     """What the model's own processor makes of the images (vLLM's, as a router that
     preprocesses would compute it): the engine input of the bytes path."""
