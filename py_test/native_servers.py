@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 from vllm_router.testing.wait_serving import serving
 
 from harness import tool_path
 from real_engine import ROOT, cli_flags
-from routers import _http_models_ready, _running
+from routers import _http_models_ready, _running, in_thread
 from vllm_servers import free_port
 
 VLLM_RS_DIR = ROOT / ".cache" / "vllm-rs"
@@ -76,18 +76,8 @@ def vllm_router(workers: list[str], model: Path, log: Path, *extra: str) -> Iter
         yield base
 
 
-@contextlib.asynccontextmanager
-async def vllm_router_in_thread(
+def vllm_router_in_thread(
     workers: list[str], model: Path, log: Path, *extra: str
-) -> AsyncIterator[str]:
-    """`vllm_router`, started and stopped in a thread, so in-process workers on this event
-    loop answer it while it starts."""
-    import asyncio
-
-    with contextlib.ExitStack() as stack:
-        router = vllm_router(workers, model, log, *extra)
-        base = await asyncio.to_thread(stack.enter_context, router)
-        try:
-            yield base
-        finally:
-            await asyncio.to_thread(stack.close)
+) -> contextlib.AbstractAsyncContextManager[str]:
+    """`vllm_router`, started and stopped in a thread (see `routers.in_thread`)."""
+    return in_thread(vllm_router(workers, model, log, *extra))

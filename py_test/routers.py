@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import http.client
 import json
 import os
 import subprocess
 import sys
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
@@ -115,18 +117,34 @@ def smg_router(workers: list[str], model: Path, log: Path, *extra: str) -> Itera
 
 
 @contextlib.asynccontextmanager
-async def smg_router_in_thread(
-    workers: list[str], model: Path, log: Path, *extra: str
-) -> AsyncIterator[str]:
-    """`smg_router`, started and stopped in a thread: this event loop keeps running, so
+async def in_thread(started: contextlib.AbstractContextManager[str]) -> AsyncIterator[str]:
+    """A router's context, entered and left in a thread: this event loop keeps running, so
     in-process workers (and subprocess pipes read by this loop) are served meanwhile."""
     with contextlib.ExitStack() as stack:
-        router = smg_router(workers, model, log, *extra)
-        base = await asyncio.to_thread(stack.enter_context, router)
+        base = await asyncio.to_thread(stack.enter_context, started)
         try:
             yield base
         finally:
             await asyncio.to_thread(stack.close)
+
+
+def smg_router_in_thread(
+    workers: list[str], model: Path, log: Path, *extra: str
+) -> contextlib.AbstractAsyncContextManager[str]:
+    """`smg_router`, started and stopped in a thread (see `in_thread`)."""
+    return in_thread(smg_router(workers, model, log, *extra))
+
+
+def start_and_drop(base: str, path: str, body: dict, lines: int = 4) -> None:
+    """POST a streaming request, read its first lines, and hang up mid-stream."""
+    url = urllib.parse.urlparse(base)
+    assert url.hostname is not None
+    connection = http.client.HTTPConnection(url.hostname, url.port, timeout=30)
+    connection.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+    response = connection.getresponse()
+    for _ in range(lines):
+        response.readline()
+    connection.close()  # the client goes away mid-stream
 
 
 def openai_post(base: str, path: str, body: dict) -> tuple[int, dict]:

@@ -6,16 +6,14 @@ router's answers must be identical."""
 from __future__ import annotations
 
 import asyncio
-import http.client
 import json
-from urllib.parse import urlparse
 
 import jsonschema
 import pytest
 
 from harness import Harness, real_engine_idle, wait_until
 from real_engine import MAX_MODEL_LEN
-from routers import CHAT, COMPLETIONS, ask, chat
+from routers import CHAT, COMPLETIONS, ask, chat, start_and_drop
 
 pytestmark = pytest.mark.vllm
 
@@ -116,21 +114,10 @@ async def test_client_disconnect_through_vllm_router_leaves_nothing_running(
     real: Harness, vllm_router_ours: str
 ) -> None:
     await wait_until(lambda: real_engine_idle(real), 10.0, "the engine to be idle")
-    url = urlparse(vllm_router_ours)
-    host = url.hostname
-    assert host is not None
     body = {"model": str(real.model_dir), "stream": True, "ignore_eos": True,
             **chat("Keep going", max_tokens=200, temperature=0)}  # fmt: skip
 
-    def start_and_drop() -> None:
-        connection = http.client.HTTPConnection(host, url.port, timeout=30)
-        connection.request("POST", CHAT, json.dumps(body), {"Content-Type": "application/json"})
-        response = connection.getresponse()
-        for _ in range(4):
-            response.readline()
-        connection.close()  # the client goes away mid-stream
-
-    await asyncio.to_thread(start_and_drop)
+    await asyncio.to_thread(start_and_drop, vllm_router_ours, CHAT, body)
     await wait_until(lambda: real_engine_idle(real), 10.0, "the engine to abort the request")
     assert not real.server.requests.in_flight
 
