@@ -134,7 +134,8 @@ test: install
 
 # The inner loop: everything that runs without vLLM (the mock engine, conversions, the
 # structure and field-coverage tests, fuzzers, security, limits), in a venv of its own with
-# no vLLM, torch or routers; tests that need them skip here and run in `make test`.
+# no vLLM, torch or routers; tests that need them skip here, and the stress suite and the
+# few slow ones are left out: all of them run in `make test`.
 FAST_VENV := .venv-fast
 $(FAST_VENV)/.installed: pyproject.toml setup.py $(wildcard proto/*.proto)
 	$(PYTHON) -m venv $(FAST_VENV)
@@ -142,7 +143,8 @@ $(FAST_VENV)/.installed: pyproject.toml setup.py $(wildcard proto/*.proto)
 	touch $@
 
 test-fast: $(FAST_VENV)/.installed
-	$(FAST_VENV)/bin/python -m pytest -m "not vllm" -q -p no:cacheprovider $(PYTEST_ARGS)
+	$(FAST_VENV)/bin/python -m pytest -m "not vllm and not slow" --ignore=py_test/stress -q \
+		-p no:cacheprovider $(PYTEST_ARGS)
 
 stress: install
 	$(CPU_ENV) VLLM_SERVICER_REQUIRE_ALL=1 VLLM_SERVICER_STRESS=full $(BIN)/python -m pytest py_test/stress py_test/test_fuzz.py $(PYTEST_ARGS)

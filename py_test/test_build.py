@@ -8,10 +8,13 @@ import tarfile
 import zipfile
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 GENERATED = ("vllm_engine_pb2.py", "vllm_engine_pb2_grpc.py", "vllm_engine_pb2.pyi")
 
 
+@pytest.mark.slow  # make test only: it waits or builds for over ten seconds
 def test_sdist_then_wheel_contains_generated_stubs(tmp_path: Path) -> None:
     # `python -m build` builds the sdist, then the wheel *from that sdist*.
     result = subprocess.run(

@@ -24,6 +24,7 @@ PINGING_CLIENT = [
 SILENT_REQUEST = request([10], max_tokens=4)
 
 
+@pytest.mark.slow  # make test only: it waits or builds for over ten seconds
 async def test_pinging_client_survives_a_15_second_silent_unary_call(
     start_mock: StartServer,
 ) -> None:

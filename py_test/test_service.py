@@ -77,15 +77,21 @@ async def _reflected_services(channel: grpc.aio.Channel) -> set[str]:
 
 
 async def test_reflection_lists_every_service(start_mock: StartServer) -> None:
-    both = await start_mock()
-    assert await _reflected_services(both.channel) == {
+    every = await start_mock()
+    assert await _reflected_services(every.channel) == {
         SERVICE,
         VLLM_GRPC_SERVICE,
+        "vllm.Inference",
+        "vllm.Control",
         "grpc.health.v1.Health",
         "grpc.reflection.v1alpha.ServerReflection",
     }
-    ours_only = await start_mock(ServerConfig(port=0, vllm_grpc=False))
-    assert VLLM_GRPC_SERVICE not in await _reflected_services(ours_only.channel)
+    ours_only = await start_mock(ServerConfig(port=0, vllm_grpc=False, vllm_native=False))
+    assert await _reflected_services(ours_only.channel) == {
+        SERVICE,
+        "grpc.health.v1.Health",
+        "grpc.reflection.v1alpha.ServerReflection",
+    }
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await vpb_grpc.VllmEngineStub(ours_only.channel).HealthCheck(vpb.HealthCheckRequest())
     assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
