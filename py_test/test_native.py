@@ -265,6 +265,11 @@ async def test_dp_rank_from_metadata(start_mock: StartServer) -> None:
             "features",
         ),
         (native([10], media=[npb.MediaItem()]), grpc.StatusCode.INVALID_ARGUMENT, "media[0]"),
+        (
+            native(text="hi", media=[npb.MediaItem(data_uri="data:,x")]),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "token_ids prompt",
+        ),
         (native([10], lora_name="x"), grpc.StatusCode.UNIMPLEMENTED, "LoRA"),
         (native([10], request_id="r" * 300), grpc.StatusCode.INVALID_ARGUMENT, "request_id"),
     ],

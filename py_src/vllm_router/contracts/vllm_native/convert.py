@@ -64,6 +64,11 @@ def _refuse_unserved(request: npb.GenerateRequest) -> None:
         )
     if request.media and request.truncate_prompt_tokens:
         raise InvalidRequest("truncate_prompt_tokens is not supported for multimodal requests")
+    if request.media and request.WhichOneof("prompt") == "text":
+        raise InvalidRequest(
+            "media needs a token_ids prompt (with one placeholder per item, as the model's "
+            "chat template writes it)"
+        )
     if request.kv.HasField("ec_transfer_params"):
         raise Unsupported("kv.ec_transfer_params is set: no encoder-cache connector runs here")
 
@@ -83,7 +88,7 @@ def _structured_outputs(decoding: npb.DecodingParameters) -> StructuredOutputs |
 
 
 def _scores(
-    wanted: bool, candidates: npb.CandidateTokens | None, where: str
+    wanted: bool, candidates: npb.CandidateTokens | None
 ) -> tuple[int | None, tuple[int, ...]]:
     """(logprobs: how many alternatives, -1 every token, None none; tokens asked for by id)."""
     if not wanted:
@@ -108,11 +113,9 @@ def sampling_options(request: npb.GenerateRequest) -> SamplingOptions:
         request.sampling, request.decoding, request.stopping, request.response,
     )  # fmt: skip
     output = response.output_candidates if response.HasField("output_candidates") else None
-    logprobs, by_id = _scores(response.output_logprobs, output, "response.output_candidates")
+    logprobs, by_id = _scores(response.output_logprobs, output)
     prompt = response.prompt_candidates if response.HasField("prompt_candidates") else None
-    prompt_logprobs, prompt_ids = _scores(
-        response.prompt_logprobs, prompt, "response.prompt_candidates"
-    )
+    prompt_logprobs, prompt_ids = _scores(response.prompt_logprobs, prompt)
     if prompt_ids:
         raise InvalidRequest(
             "response.prompt_candidates.token_ids is not supported: vLLM scores prompt "
