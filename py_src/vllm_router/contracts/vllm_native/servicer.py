@@ -101,13 +101,10 @@ class NativeInferenceServicer(ContractServicer, npb_grpc.InferenceServicer):
                 "GenerateStream for sampling.num_sequences > 1"
             )
         result = RequestResult()
-        first: EngineStep | None = None
         async with self._requests.run(generation) as flight:
             async for step in flight.steps():
-                first = first or step
                 result.add(step)
             flight.answering()
-        assert first is not None, "the engine ended the request without a step"
         (_, sample), = result.in_order()  # fmt: skip
         assert sample.last is not None
         whole = EngineStep(
@@ -122,11 +119,12 @@ class NativeInferenceServicer(ContractServicer, npb_grpc.InferenceServicer):
             logprobs=sample.logprobs,
             kv_transfer_params=sample.last.kv_transfer_params,
             error=sample.last.error,
+            prompt_logprobs=result.prompt_logprobs,
         )
-        first.prompt_logprobs = result.prompt_logprobs
+        # One message with what a stream spreads over several (vllm-rs's unary answer).
         answer = responses.sequence_output(whole, wanted, self._eos)
         answer.prompt_info.CopyFrom(
-            responses.prompt_info(first, generation.prompt_token_ids, wanted).prompt_info
+            responses.prompt_info(whole, generation.prompt_token_ids, wanted).prompt_info
         )
         return answer
 
