@@ -154,7 +154,7 @@ ifeq ($(MOCK),1)
 	$(BIN)/vllm-servicer --mock-engine --host $(HOST) --port $(PORT) --metrics-port $(METRICS_PORT)
 else ifeq ($(MODEL),smollm2)
 	$(BIN)/python -m vllm_router.testing.real_model $(REAL_MODEL_DIR)
-	@echo "Try: $(BIN)/vllm-servicer-client --address $(HOST):$(PORT) generate --chat 'What is the capital of France?'"
+	@echo "Try: $(BIN)/vllm-servicer-client --address $(HOST):$(PORT) generate --chat 'What is the capital of France?' --temperature 0"
 	$(CPU_ENV) $(BIN)/vllm-servicer --model $(REAL_MODEL_DIR) --host $(HOST) --port $(PORT) \
 		--metrics-port $(METRICS_PORT) --max-model-len 2048 $(ENGINE_MEMORY) --enforce-eager $(SERVE_ARGS)
 else ifneq ($(MODEL),tiny)

