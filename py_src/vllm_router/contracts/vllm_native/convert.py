@@ -234,7 +234,7 @@ def to_generation_request(
         prompt_text=text,
         sampling=sampling,
         dp_rank=dp_rank(metadata, facts),
-        detokenize=response.output_text if response.HasField("output_text") else True,
+        detokenize=output_text(response),
         lora_name=request.lora_name or None,
         priority=request.priority,
         trace_headers=trace,
@@ -259,6 +259,11 @@ def truncated(ids: list[int], request: npb.GenerateRequest, facts: ModelFacts) -
             f"{facts.max_model_len}"
         )
     return ids[-keep:]
+
+
+def output_text(response: npb.ResponseOptions) -> bool:
+    """Whether text goes back with the tokens (`output_text`, default true)."""
+    return response.output_text if response.HasField("output_text") else True
 
 
 def with_prompt_ids(

@@ -12,6 +12,7 @@ from google.protobuf import json_format, struct_pb2
 from ...engine import EngineStep, KvEventSource, LoraAdapter, ModelFacts, TokenLogprob
 from ...errors import RequestFailed
 from ...proto import vllm_native_pb2 as npb
+from .convert import output_text
 
 # The schema version of vLLM's contract this worker implements (what vllm-rs 0.33 reports).
 PROTO_VERSION = "0.6.0"
@@ -39,7 +40,7 @@ class Wanted:
     @classmethod
     def of(cls, response: npb.ResponseOptions) -> Wanted:
         return cls(
-            text=response.output_text if response.HasField("output_text") else True,
+            text=output_text(response),
             token_ids=response.output_token_ids,
             logprobs=response.output_logprobs,
             prompt_token_ids=response.prompt_token_ids,

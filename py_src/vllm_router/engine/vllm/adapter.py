@@ -8,10 +8,9 @@ vLLM internal the adapter touches is named and checked in compat.py.
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
 import time
-from collections.abc import AsyncGenerator, Awaitable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from prometheus_client.registry import Collector
@@ -186,30 +185,30 @@ class VllmEngine:
         )
 
     async def pause(self, mode: PauseMode, clear_cache: bool) -> None:
-        await self._call(self._llm.pause_generation(mode=mode, clear_cache=clear_cache))
+        await self._call(self._llm.pause_generation, mode=mode, clear_cache=clear_cache)
 
     async def resume(self) -> None:
-        await self._call(self._llm.resume_generation())
+        await self._call(self._llm.resume_generation)
 
     async def is_paused(self) -> bool:
-        return bool(await self._call(self._llm.is_paused()))
+        return bool(await self._call(self._llm.is_paused))
 
     async def sleep(self, level: int, mode: PauseMode) -> None:
         self._require_sleep_mode()
-        await self._call(self._llm.sleep(level, mode))
+        await self._call(self._llm.sleep, level, mode)
 
     async def wake_up(self, tags: list[str] | None) -> None:
         self._require_sleep_mode()
-        await self._call(self._llm.wake_up(tags))
+        await self._call(self._llm.wake_up, tags)
 
     async def is_sleeping(self) -> bool:
-        return bool(await self._call(self._llm.is_sleeping()))
+        return bool(await self._call(self._llm.is_sleeping))
 
     async def weight_version(self) -> str:
-        return str(await self._call(self._llm.get_weight_version()))
+        return str(await self._call(self._llm.get_weight_version))
 
     async def set_weight_version(self, version: str) -> None:
-        await self._call(self._llm.update_weight_version(version))
+        await self._call(self._llm.update_weight_version, version)
 
     def _require_sleep_mode(self) -> None:
         if not self._llm.vllm_config.model_config.enable_sleep_mode:
@@ -218,13 +217,12 @@ class VllmEngine:
                 "on a platform that supports it)"
             )
 
-    async def _call(self, operation: Awaitable[T]) -> T:
-        """An engine operation, its failures told as the servicer's errors."""
+    async def _call(self, operation: Callable[..., Awaitable[T]], *args: Any, **kwargs: Any) -> T:
+        """An AsyncLLM operation on a live engine, its failures told as the servicer's errors."""
         if self._llm.errored:
-            operation.close() if inspect.iscoroutine(operation) else None
             raise EngineDead("vLLM engine is dead; retry on another worker")
         try:
-            return await operation
+            return await operation(*args, **kwargs)
         except Exception as exc:
             reraise(exc)
 

@@ -24,24 +24,36 @@ def _binds(endpoint: str) -> bool:
     return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
 
 
+def _publishes(config: Any) -> bool:
+    return config is not None and config.enable_kv_cache_events and config.publisher == "zmq"
+
+
+def _rank_endpoint(endpoint: str, dp_rank: int, vllm_bind_rule: bool) -> str | None:
+    """`endpoint` moved to a DP rank's port, as vLLM's publisher moves it (None: unknown)."""
+    if vllm_bind_rule:
+        from vllm.distributed.kv_events import ZmqEventPublisher
+
+        return str(ZmqEventPublisher.offset_endpoint_port(endpoint, dp_rank))
+    return endpoint if dp_rank == 0 else None
+
+
 def zmq_endpoint(config: Any, dp_rank: int = 0, *, vllm_bind_rule: bool = True) -> str:
     """Where a subscriber connects: vLLM's bind endpoint, with `*` as loopback, per DP rank.
 
     vLLM's publisher binds wildcard and ipc endpoints and connects to any other (a remote
     collector): only a bound publisher can be subscribed to from here.
     """
-    if config is None or not config.enable_kv_cache_events or config.publisher != "zmq":
+    if not _publishes(config):
         raise NotConfigured(NOT_ENABLED)
+    endpoint = _rank_endpoint(str(config.endpoint), dp_rank, vllm_bind_rule)
+    if endpoint is None:
+        raise NotConfigured("this vLLM's per-rank KV event endpoints are unknown to this worker")
     if vllm_bind_rule:
         from vllm.distributed.kv_events import ZmqEventPublisher
 
-        endpoint = str(ZmqEventPublisher.offset_endpoint_port(config.endpoint, dp_rank))
         binds = ZmqEventPublisher._is_bind_endpoint(endpoint)
-    elif dp_rank == 0:
-        endpoint = str(config.endpoint)
-        binds = _binds(endpoint)
     else:
-        raise NotConfigured("this vLLM's per-rank KV event endpoints are unknown to this worker")
+        binds = _binds(endpoint)
     if not binds:
         raise NotConfigured(
             f"vLLM publishes KV cache events to the collector at {endpoint}; to subscribe "
@@ -110,29 +122,23 @@ async def kv_event_batches(
 def kv_event_sources(config: Any, dp_size: int, *, vllm_bind_rule: bool) -> list[KvEventSource]:
     """The engine's publishers, one per DP rank, as the engine is configured (a wildcard host
     stays a wildcard: a subscriber puts the worker's host there, as with vllm-rs); none when
-    events are off or published by something other than ZMQ."""
-    if config is None or not config.enable_kv_cache_events or config.publisher != "zmq":
+    events are off, published by something other than ZMQ, or on ranks unknown here."""
+    if not _publishes(config):
         return []
-    if not vllm_bind_rule and dp_size > 1:
-        return []  # this vLLM's per-rank endpoints are unknown to this worker
-
-    def offset(endpoint: str, rank: int) -> str:
-        if not vllm_bind_rule:
-            return endpoint
-        from vllm.distributed.kv_events import ZmqEventPublisher
-
-        return str(ZmqEventPublisher.offset_endpoint_port(endpoint, rank))
-
+    endpoints = [_rank_endpoint(str(config.endpoint), r, vllm_bind_rule) for r in range(dp_size)]
     replay = getattr(config, "replay_endpoint", None)
     return [
         KvEventSource(
-            endpoint=offset(str(config.endpoint), rank),
+            endpoint=endpoint,
             topic=getattr(config, "topic", "") or "",
             dp_rank=rank,
-            replay_endpoint=offset(str(replay), rank) if replay else "",
+            replay_endpoint=(_rank_endpoint(str(replay), rank, vllm_bind_rule) or "")
+            if replay
+            else "",
             buffer_steps=int(getattr(config, "buffer_steps", 0) or 0),
             hwm=int(getattr(config, "hwm", 0) or 0),
             max_queue_size=int(getattr(config, "max_queue_size", 0) or 0),
         )
-        for rank in range(dp_size)
+        for rank, endpoint in enumerate(endpoints)
+        if None not in endpoints and endpoint is not None
     ]
