@@ -37,6 +37,10 @@ CPU_ENV := VLLM_CPU_KVCACHE_SPACE=1
 # The CPU worker sees one NUMA node and refuses vLLM's default 0.92 of it.
 ifneq ($(HAVE_GPU),1)
 ENGINE_MEMORY := --gpu-memory-utilization 0.3
+# The trained model in float32: on CPUs with AMX, vLLM-CPU's bfloat16 kernels derail a model
+# this small (greedy "What is the capital of France?" answers "L'Étoile, la Marseillaise..."
+# in bfloat16, "The capital of France is Paris." in float32); 135M parameters cost nothing more.
+REAL_MODEL_FLAGS := --max-model-len 2048 --dtype float32 --enforce-eager
 endif
 QUIET_PIP := grep -v "^WARNING: Location" || true
 
@@ -156,7 +160,7 @@ else ifeq ($(MODEL),smollm2)
 	$(BIN)/python -m vllm_router.testing.real_model $(REAL_MODEL_DIR)
 	@echo "Try: $(BIN)/vllm-servicer-client --address $(HOST):$(PORT) generate --chat 'What is the capital of France?' --temperature 0"
 	$(CPU_ENV) $(BIN)/vllm-servicer --model $(REAL_MODEL_DIR) --host $(HOST) --port $(PORT) \
-		--metrics-port $(METRICS_PORT) --max-model-len 2048 $(ENGINE_MEMORY) --enforce-eager $(SERVE_ARGS)
+		--metrics-port $(METRICS_PORT) $(REAL_MODEL_FLAGS) $(ENGINE_MEMORY) $(SERVE_ARGS)
 else ifneq ($(MODEL),tiny)
 	$(CPU_ENV) $(BIN)/vllm-servicer --model "$(MODEL)" --host $(HOST) --port $(PORT) $(ENGINE_MEMORY) $(SERVE_ARGS)
 else
@@ -188,7 +192,7 @@ endif
 router: install
 	$(BIN)/python -m vllm_router.testing.real_model $(REAL_MODEL_DIR)
 	@$(CPU_ENV) $(BIN)/vllm-servicer --model $(REAL_MODEL_DIR) --host 127.0.0.1 --port $(PORT) \
-		--max-model-len 2048 $(ENGINE_MEMORY) --enforce-eager & servicer=$$!; \
+		$(REAL_MODEL_FLAGS) $(ENGINE_MEMORY) & servicer=$$!; \
 	trap "kill $$servicer 2>/dev/null" EXIT; \
 	until $(BIN)/python -m vllm_router.testing.wait_serving 127.0.0.1:$(PORT); do \
 		kill -0 $$servicer || exit 1; sleep 1; done; \

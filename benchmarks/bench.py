@@ -3,7 +3,8 @@ engine alone, on the same model and engine flags. `make bench` runs it.
 
 Each target is started, measured at every concurrency level, and stopped; the client
 runs in this process (uvloop). Output: a markdown table (ratios to `engine` at the
-same level), JSON lines and a PNG plot in benchmarks/results/.
+same level), JSON lines and a PNG plot in benchmarks/runs/ (not tracked; curated results
+worth keeping go to benchmarks/results/ with their command and machine).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ TARGETS = (
     "engine",
     "ours",
     "ours-batched",
+    "ours-compact",
     "ours-vllm-outputs",
     "ours-si4",
     "ours-metrics",
@@ -49,6 +51,7 @@ TARGETS = (
     "vllm-router-ours",
     "vllm-router-vllm-rs",
     "ours-mock",
+    "ours-mock-compact",
     "grpc-floor",
 )
 # Router targets: a Rust router (OpenAI streaming chat) in front of a worker target: SMG
@@ -61,7 +64,14 @@ ROUTED = {
 }
 VLLM_ROUTER = ("vllm-router-ours", "vllm-router-vllm-rs")
 # Targets served by another target's server, with a different request.
-SAME_SERVER = {**ROUTED, "ours-si4": "ours", "ours-batched": "ours", "ours-native": "ours"}
+SAME_SERVER = {
+    **ROUTED,
+    "ours-si4": "ours",
+    "ours-batched": "ours",
+    "ours-compact": "ours",
+    "ours-native": "ours",
+    "ours-mock-compact": "ours-mock",
+}
 # Stream interval 4: ours per request (SamplingParams.stream_interval), vLLM's --grpc
 # launcher engine-wide (--stream-interval 4: it has no per-request field).
 STREAM_INTERVAL = {"ours-si4": 4, "vllm-grpc-si4": 4}
@@ -69,6 +79,8 @@ CLIENT = {
     "ours": clients.ours,
     "ours-si4": clients.ours,
     "ours-batched": clients.ours_batched,
+    "ours-compact": clients.ours_compact,
+    "ours-mock-compact": clients.ours_compact,
     "ours-vllm-outputs": clients.ours,
     "ours-metrics": clients.ours,
     "ours-mock": clients.ours,
@@ -375,7 +387,7 @@ def main() -> None:
         help="ask ours/engine for text too (default: token ids only, as a router that "
         "detokenizes itself would, and as vLLM's --grpc launcher always does)",
     )
-    parser.add_argument("--out", type=Path, default=HERE / "results")
+    parser.add_argument("--out", type=Path, default=HERE / "runs")
     args = parser.parse_args()
     args.targets = [t for t in args.targets.split(",") if t]
     unknown = set(args.targets) - set(TARGETS)

@@ -60,8 +60,15 @@ def ours(address: str, workload: Workload) -> tuple[Callable[[], Awaitable[None]
     return worker.close, one
 
 
-def ours_batched(
+def ours_compact(
     address: str, workload: Workload
+) -> tuple[Callable[[], Awaitable[None]], OneRequest]:
+    """As `ours_batched`, the requests asking for the compact shape (compact_tokens)."""
+    return ours_batched(address, workload, compact=True)
+
+
+def ours_batched(
+    address: str, workload: Workload, compact: bool = False
 ) -> tuple[Callable[[], Awaitable[None]], OneRequest]:
     """Ours, every request on one GenerateBatch stream, read as a router would: one reader
     hands each update to its request's record (no per-request stream objects, so the
@@ -87,6 +94,9 @@ def ours_batched(
                 if update.is_finished:
                     del waiting[update.request_id]
                     done.set_result(None)
+            runs = message.tokens
+            for request_id, count in zip(runs.request_ids, runs.token_counts, strict=True):
+                waiting[request_id][0].message(count)
             for error in message.errors:
                 _, done = waiting.pop(error.request_id)
                 done.set_exception(RuntimeError(f"{error.code}: {error.message}"))
@@ -108,7 +118,7 @@ def ours_batched(
                 seed=i,
             ),
         )
-        outgoing.put_nowait(pb.GenerateBatchRequest(generate=request))
+        outgoing.put_nowait(pb.GenerateBatchRequest(generate=request, compact_tokens=compact))
         await done
 
     async def close() -> None:

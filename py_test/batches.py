@@ -17,10 +17,22 @@ Call: TypeAlias = grpc.aio.StreamStreamCall
 
 
 def generate(
-    prompt: list[int], request_id: str, timeout_ms: int = 0, **sampling: object
+    prompt: list[int],
+    request_id: str,
+    timeout_ms: int = 0,
+    *,
+    compact: bool = False,
+    traceparent: str = "",
+    skip_detokenize: bool = False,
+    **sampling: object,
 ) -> pb.GenerateBatchRequest:
+    generation = request(prompt, request_id, **sampling)
+    generation.skip_detokenize = skip_detokenize
     return pb.GenerateBatchRequest(
-        generate=request(prompt, request_id, **sampling), timeout_ms=timeout_ms
+        generate=generation,
+        timeout_ms=timeout_ms,
+        compact_tokens=compact,
+        traceparent=traceparent,
     )
 
 
@@ -33,14 +45,31 @@ class Answers:
         self.errors: dict[str, pb.RequestError] = {}
         self.refused: list[pb.RequestError] = []
         self.messages = 0
-        self.per_message: list[int] = []  # updates in each message
+        self.per_message: list[int] = []  # requests with news in each message
+        self.compact_runs = 0  # entries of the compact `tokens` columns
 
     def take(self, message: pb.GenerateBatchResponse) -> None:
         self.messages += 1
-        self.per_message.append(len(message.updates))
+        runs = message.tokens
+        self.per_message.append(len(message.updates) + len(runs.request_ids))
+        updated = {u.request_id for u in message.updates}
         for update in message.updates:
             assert update.request_id not in self.errors, "an update after the request's error"
             self.updates[update.request_id].append(update)
+        # The compact columns: a run is a request's next tokens, between its first update
+        # (an earlier message) and its last (a later one), never beside its own update.
+        assert len(runs.request_ids) == len(runs.token_counts) == len(set(runs.request_ids))
+        assert sum(runs.token_counts) == len(runs.token_ids)
+        start = 0
+        for request_id, count in zip(runs.request_ids, runs.token_counts, strict=True):
+            assert count > 0 and request_id not in updated, request_id
+            earlier = self.updates[request_id]
+            assert earlier and not earlier[-1].is_finished, request_id
+            assert request_id not in self.errors, request_id
+            ids = runs.token_ids[start : start + count]
+            earlier.append(pb.GenerateStreamResponse(request_id=request_id, token_ids=ids))
+            start += count
+            self.compact_runs += 1
         for error in message.errors:
             if error.refused:
                 self.refused.append(error)

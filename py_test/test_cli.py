@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import dataclasses
 import importlib.util
 import signal
 import socket
@@ -180,3 +182,43 @@ def test_lean_outputs_flag_reaches_the_engine(monkeypatch: pytest.MonkeyPatch) -
     cli.build_engine(parser.parse_args(["--model", "m"]))
     cli.build_engine(parser.parse_args(["--model", "m", "--no-lean-outputs"]))
     assert seen == [True, False]
+
+
+def test_vllm_serving_flags_are_server_config_fields() -> None:
+    require(importlib.util.find_spec("vllm") is not None, "vLLM is not installed")
+    from vllm_router.cli import build_parser
+    from vllm_router.dataclass_flags import from_args
+    from vllm_router.server import ServerConfig
+
+    parser = build_parser(with_vllm=True)
+    assert from_args(ServerConfig, parser.parse_args(["--model", "m"])) == ServerConfig()
+    args = parser.parse_args(
+        ["--model", "m", "--no-lean-outputs", "--lora-modules", "a=/x", "b=/y"]
+    )
+    config = from_args(ServerConfig, args)
+    assert (config.lean_outputs, config.lora_modules) == (False, ("a=/x", "b=/y"))
+
+
+def test_vllm_serving_flags_are_not_offered_without_vllm() -> None:
+    from vllm_router.cli import build_parser
+
+    parser = build_parser(with_vllm=False)
+    for flag in ("--no-lean-outputs", "--lora-modules"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--mock-engine", flag, "a=/x"])
+
+
+def test_a_tuple_setting_is_a_flag_of_one_or_more_values() -> None:
+    from vllm_router.dataclass_flags import add_flags, from_args
+
+    @dataclasses.dataclass(frozen=True)
+    class Settings:
+        names: tuple[str, ...] | None = dataclasses.field(
+            default=None, metadata={"help": "names", "metavar": "NAME"}
+        )
+
+    parser = argparse.ArgumentParser()
+    add_flags(parser, Settings)
+    assert from_args(Settings, parser.parse_args([])) == Settings()
+    assert from_args(Settings, parser.parse_args(["--names", "a", "b"])).names == ("a", "b")
+    assert "--names NAME [NAME ...]" in parser.format_help()

@@ -194,14 +194,27 @@ async def test_draining_refuses_new_requests_per_request(start_mock: StartServer
     assert len(answers.tokens("before")) == 20  # in flight: it finishes
 
 
-async def test_a_stalled_stream_stalls_nothing_else_and_is_aborted(start_mock: StartServer) -> None:
+@pytest.mark.parametrize("compact", [False, True], ids=["stream-shape", "compact"])
+async def test_a_stalled_stream_stalls_nothing_else_and_is_aborted(
+    start_mock: StartServer, compact: bool
+) -> None:
     config = ServerConfig(port=0, stream_stall_timeout_seconds=0.5, metrics_port=0)
     harness = await start_mock(config, tokens_per_step=2000, max_model_len=50_000_000)
     before = await scrape(harness.metrics_url)
     # A client that sends requests, reads once and then no more: long outputs fill
     # the transport's windows.
     stalled = harness.stub.GenerateBatch(
-        [generate([10], f"stalled-{i}", max_tokens=40_000_000, ignore_eos=True) for i in range(4)]
+        [
+            generate(
+                [10],
+                f"stalled-{i}",
+                max_tokens=40_000_000,
+                ignore_eos=True,
+                skip_detokenize=compact,
+                compact=compact,
+            )
+            for i in range(4)
+        ]
     )
     await stalled.read()
     await wait_until(lambda: len(harness.server.requests.in_flight) == 4, what="admitted")
@@ -223,6 +236,99 @@ async def test_a_stalled_stream_stalls_nothing_else_and_is_aborted(start_mock: S
     stalled.cancel()
 
 
+@pytest.mark.parametrize("compact", [True, False], ids=["compact", "stream-shape"])
+async def test_decode_steps_handed_over_by_the_engine_keep_every_token_in_order(
+    start_mock: StartServer, compact: bool
+) -> None:
+    harness = await start_mock(ServerConfig(port=0, metrics_port=0), step_delay=0.002)
+    before = await scrape(harness.metrics_url)
+    lengths = {f"r{i}": 20 + 7 * i for i in range(8)}
+    call = harness.stub.GenerateBatch(
+        [
+            generate([100 * (i + 1)], rid, max_tokens=n, skip_detokenize=True, compact=compact)
+            for i, (rid, n) in enumerate(lengths.items())
+        ]
+    )
+    answers = Answers()
+    await read_all(call, answers)
+    assert await call.code() == grpc.StatusCode.OK and answers.errors == {}
+    handed_over = 0
+    for i, (rid, n) in enumerate(lengths.items()):
+        assert answers.tokens(rid) == [100 * (i + 1) + 1 + k for k in range(n)], rid
+        first, *middle, last = answers.updates[rid]
+        assert first.HasField("metrics") and first.usage.prompt_tokens == 1
+        assert (last.is_finished, last.finish_reason, last.usage.completion_tokens) == (
+            True,
+            "length",
+            n,
+        )
+        assert last.HasField("metrics")
+        handed_over += len(middle)
+        if not compact:  # each message as GenerateStream's: cumulative usage, no metrics
+            produced = len(first.token_ids)
+            for update in middle:
+                produced += len(update.token_ids)
+                assert update.usage.completion_tokens == produced
+                assert update.usage.prompt_tokens == 1 and not update.HasField("metrics")
+    assert handed_over > 8 * 10  # most steps came straight from the engine's loop
+    assert (answers.compact_runs > 0) == compact
+    await wait_until(lambda: not harness.server.requests.in_flight)
+    after = await scrape(harness.metrics_url)
+    assert delta(before, after, "vllm_servicer:generated_tokens_total") == sum(lengths.values())
+
+
+async def test_handed_over_steps_merge_until_taken_and_a_claim_keeps_their_order() -> None:
+    from vllm_router.core.batching import Lane, Outbox
+    from vllm_router.engine import EngineStep
+
+    outbox: Outbox[str, str] = Outbox()
+    lane, other = Lane("a", outbox, compact=True), Lane("b", outbox, compact=False)
+    engine_list = [1, 2]
+    lane(engine_list)
+    other([9])
+    lane([3])  # steps while no message is taken merge into one run
+    assert engine_list == [1, 2]  # the engine's own list is never extended
+    taken = outbox.take()
+    assert taken is not None
+    message, _sent = taken
+    assert [x.request_id for x in message.lanes] == ["a", "b"]
+    assert message.lane_tokens == [[1, 2, 3], [9]] and message.token_count == 4
+    assert outbox.take() is None
+    # The request's task takes a step (its last) while its lane holds tokens: the lane's
+    # come first, and leave the next message.
+    lane([4, 5])
+    last = EngineStep(token_ids=[6], text="", finished=True, prompt_tokens=1, completion_tokens=6)
+    claimed = lane.claim(last)
+    assert claimed.token_ids == [4, 5, 6] and claimed.finished
+    assert outbox.take() is None
+    assert (lane.prompt_tokens, lane.completion_tokens) == (1, 6)
+
+
+async def test_a_request_names_its_own_trace_context(mock: Harness) -> None:
+    own = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    stream_trace = "00-11111111111111111111111111111111-2222222222222222-01"
+    call = mock.stub.GenerateBatch(
+        [
+            generate([10], "own", max_tokens=2, traceparent=own),
+            generate([10], "bad", max_tokens=2, traceparent="00-xyz"),
+        ],
+        metadata=(("traceparent", stream_trace),),
+    )
+    answers = Answers()
+    await read_all(call, answers)
+    assert answers.tokens("own") == [11, 12]
+    refusal = answers.refusal("bad")
+    assert refusal.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert "traceparent" in refusal.message
+    assert mock.engine.last_request is not None
+    assert mock.engine.last_request.trace_headers == {"traceparent": own}
+    call = mock.stub.GenerateBatch(
+        [generate([10], "inherits", max_tokens=1)], metadata=(("traceparent", stream_trace),)
+    )
+    await read_all(call, Answers())
+    assert mock.engine.last_request.trace_headers == {"traceparent": stream_trace}
+
+
 async def test_each_of_n_samples_finishes_on_its_own_index(mock: Harness) -> None:
     n = 2
     call = mock.stub.GenerateBatch([generate([10], "multi", max_tokens=3, n=n)])
@@ -240,7 +346,12 @@ async def test_the_client_runs_many_requests_on_one_batch_stream(start_mock: Sta
 
         async def tokens(first: int, count: int) -> list[int]:
             stream = batch.stream([first], max_tokens=count, skip_detokenize=True)
-            return [t async for m in stream for t in m.token_ids]
+            got: list[int] = []
+            async for message in stream:  # compact runs read back as GenerateStream's
+                got += message.token_ids
+                assert message.usage.completion_tokens == len(got)
+                assert message.usage.prompt_tokens == 1
+            return got
 
         got = await asyncio.gather(*(tokens(100 * i, 5 + i) for i in range(1, 9)))
         assert got == [[100 * i + 1 + k for k in range(5 + i)] for i in range(1, 9)]

@@ -1,4 +1,8 @@
-"""A non-Python client (grpcurl, Go's gRPC stack) runs the README's commands via reflection."""
+"""A non-Python client (grpcurl, Go's gRPC stack) runs the docs' commands via reflection.
+
+The README and docs/contracts.md each have a "## Try it with grpcurl" section; its bash
+blocks are run exactly as printed (only the address and the LoRA path are substituted).
+"""
 
 from __future__ import annotations
 
@@ -17,14 +21,18 @@ import servers
 from harness import Harness, grpcurl_path, require
 from real_engine import tiny_lora
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+CONTRACTS = ROOT / "docs" / "contracts.md"
 
 
-def readme_grpcurl_commands(block_index: int = 0) -> list[list[str]]:
-    """The grpcurl lines of the README's `block_index`-th bash block in its grpcurl section."""
-    section = README.read_text().split("## Try it with grpcurl", 1)[1].split("\n## ", 1)[0]
+def grpcurl_commands(doc: Path, block_index: int = 0) -> list[list[str]]:
+    """The grpcurl lines of the `block_index`-th bash block in `doc`'s grpcurl section."""
+    text = doc.read_text()
+    assert "\n## Try it with grpcurl\n" in text, f"{doc.name} lost its grpcurl section"
+    section = text.split("\n## Try it with grpcurl\n", 1)[1].split("\n## ", 1)[0]
     blocks = re.findall(r"```bash\n(.*?)```", section, re.S)
-    assert len(blocks) > block_index, "README lost its grpcurl examples"
+    assert len(blocks) > block_index, f"{doc.name} lost its grpcurl examples"
     return [
         shlex.split(line)
         for line in blocks[block_index].splitlines()
@@ -44,11 +52,15 @@ async def _grpcurl(binary: str, args: list[str]) -> tuple[int | None, str, str]:
     return process.returncode, out.decode(), err.decode()
 
 
-async def test_readme_grpcurl_commands_work_as_printed() -> None:
+async def test_docs_grpcurl_commands_work_as_printed() -> None:
     binary = grpcurl_path()
     require(binary is not None, "grpcurl is not installed (make install puts it in .venv/bin)")
     assert binary is not None
-    commands = readme_grpcurl_commands()
+    readme = grpcurl_commands(README)
+    assert {"vllm.engine.v1.VllmEngine/GenerateStream", "vllm.Inference/GenerateStream"} <= {
+        cmd[-1] for cmd in readme
+    }
+    commands = readme + grpcurl_commands(CONTRACTS)
     called = {cmd[-1] for cmd in commands}
     for rpc in (
         "GenerateStream",
@@ -58,6 +70,8 @@ async def test_readme_grpcurl_commands_work_as_printed() -> None:
         "ResetPrefixCache",
     ):
         assert f"vllm.engine.v1.VllmEngine/{rpc}" in called
+    for rpc in ("Generate", "HealthCheck"):
+        assert f"vllm.grpc.engine.VllmEngine/{rpc}" in called
     assert "grpc.health.v1.Health/Check" in called
 
     server = await servers.start("--mock-engine", "--port", "0")
@@ -84,17 +98,21 @@ async def test_readme_grpcurl_commands_work_as_printed() -> None:
         assert native[-1]["outputs"]["finish_info"]["finish_reason"] == "LENGTH"
         assert json.loads(outputs["vllm.Control/GetServerInfo"])["api_version"] == "vllm"
         assert json.loads(outputs["vllm.engine.v1.VllmEngine/GetModelInfo"])["engine"] == "mock"
+        complete = json.loads(outputs["vllm.grpc.engine.VllmEngine/Generate"])["complete"]
+        assert complete["output_ids"] == list(range(10, 18))
+        assert complete["finish_reason"] == "length"
+        assert json.loads(outputs["vllm.grpc.engine.VllmEngine/HealthCheck"])["healthy"] is True
     finally:
         server.process.send_signal(signal.SIGTERM)
         await server.wait(15)
 
 
 @pytest.mark.vllm
-async def test_readme_router_grade_commands_on_the_real_engine(real: Harness) -> None:
+async def test_docs_router_grade_commands_on_the_real_engine(real: Harness) -> None:
     binary = grpcurl_path()
     require(binary is not None, "grpcurl is not installed (make install puts it in .venv/bin)")
     assert binary is not None
-    commands = readme_grpcurl_commands(1)
+    commands = grpcurl_commands(CONTRACTS, 1)
     new_rpcs = {"Abort", "GetLoads", "GetTokenizer", "Embed", "ListLoraAdapters",
                 "LoadLoraAdapter", "UnloadLoraAdapter"}  # fmt: skip
     assert {f"vllm.engine.v1.VllmEngine/{rpc}" for rpc in new_rpcs} <= {c[-1] for c in commands}

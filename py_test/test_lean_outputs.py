@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from output_paths import PathCounts, counting_paths
 
 from vllm_router.engine import EngineStep, GenerationRequest, SamplingOptions
 
@@ -42,11 +43,15 @@ def generation(request_id: str, *, detokenize: bool = False, **sampling: Any) ->
     )
 
 
-async def run(harness: Harness, lean: bool, req: GenerationRequest) -> list[EngineStep]:
-    with output_path(harness, lean):
-        started = harness.engine.lean_streams
+async def run(
+    harness: Harness, lean: bool, req: GenerationRequest, counts: PathCounts | None = None
+) -> list[EngineStep]:
+    with output_path(harness, lean), counting_paths() as here:
         steps = [step async for step in harness.engine.generate(req)]
-        assert harness.engine.lean_streams - started == (1 if lean else 0)
+    assert here.lean_streams == (1 if lean else 0)
+    if counts is not None:
+        counts.lean_streams += here.lean_streams
+        counts.fast_steps += here.fast_steps
     return steps
 
 
@@ -105,12 +110,14 @@ async def test_lean_steps_equal_request_output_steps(real: Harness, name: str) -
     detokenize, options = CASES[name]
     options = await _case_options(real, name, options)
     reference = await run(real, False, generation(f"ref-{name}", detokenize=detokenize, **options))
-    fast_before = real.engine.fast_outputs.fast_steps
-    lean = await run(real, True, generation(f"lean-{name}", detokenize=detokenize, **options))
+    counts = PathCounts()
+    lean = await run(
+        real, True, generation(f"lean-{name}", detokenize=detokenize, **options), counts
+    )
     assert outcome(lean) == outcome(reference)
     # Token-only requests take their plain decode steps on the fast path (fast_outputs.py):
     # all but the first (prefill) and the last (finish) of every step the engine made.
-    fast = real.engine.fast_outputs.fast_steps - fast_before
+    fast = counts.fast_steps
     tokens = outcome(lean)["usage"][1]
     assert fast == (0 if detokenize else max(0, tokens - 2)), (fast, tokens)
     if name.startswith("stop"):
@@ -133,11 +140,10 @@ async def test_requests_that_need_request_outputs_take_vllms_path(real: Harness)
     }
     with output_path(real, True):
         for name, options in cases.items():
-            started = real.engine.lean_streams
-            steps = [
-                s async for s in real.engine.generate(generation(name, max_tokens=4, **options))
-            ]
-            assert real.engine.lean_streams == started, name
+            with counting_paths() as counts:
+                request = generation(name, max_tokens=4, **options)
+                steps = [s async for s in real.engine.generate(request)]
+            assert counts.lean_streams == 0, name
             assert steps[-1].finished
 
 
@@ -162,14 +168,14 @@ async def test_grpc_clients_on_the_lean_path_are_cancelled_and_counted(real: Har
     """Through the servicer: vLLM's own vllm: counters see every lean token and finish,
     and a client that hangs up mid-stream leaves nothing decoding."""
     before = await scrape(real.metrics_url)
-    started = real.engine.lean_streams
-    streams = await asyncio.gather(
-        *(
-            collect_stream(real.stub, request(PROMPT, max_tokens=12, ignore_eos=True, seed=i))
-            for i in range(4)
+    with counting_paths() as counts:
+        streams = await asyncio.gather(
+            *(
+                collect_stream(real.stub, request(PROMPT, max_tokens=12, ignore_eos=True, seed=i))
+                for i in range(4)
+            )
         )
-    )
-    assert real.engine.lean_streams - started == 4
+    assert counts.lean_streams == 4
     assert all(sum(len(m.token_ids) for m in s) == 12 for s in streams)
     after = await scrape(real.metrics_url)
     model = real.engine.facts.served_model_name
@@ -187,3 +193,25 @@ async def test_grpc_clients_on_the_lean_path_are_cancelled_and_counted(real: Har
     await call.read()
     call.cancel()
     await wait_until(lambda: real_engine_idle(real), what="engine idle after the client left")
+
+
+@pytest.mark.parametrize("name", ["greedy ids", "seeded sample ids"])
+async def test_decode_steps_handed_to_the_consumers_sink_keep_their_order(
+    real: Harness, name: str
+) -> None:
+    """`generate(decoded=...)`: plain decode steps go to the sink while the consumer waits;
+    the steps and the handed tokens, in the order they came, are vLLM's own outcome."""
+    _, options = CASES[name]
+    reference = await run(real, False, generation(f"ref-h-{name}", **options))
+    arrived: list[list[int] | EngineStep] = []
+    with output_path(real, True):
+        request = generation(f"handed-{name}", **options)
+        async for step in real.engine.generate(request, decoded=arrived.append):
+            arrived.append(step)
+    steps = [a for a in arrived if isinstance(a, EngineStep)]
+    handed = [a for a in arrived if not isinstance(a, EngineStep)]
+    tokens = [t for a in arrived for t in (a.token_ids if isinstance(a, EngineStep) else a)]
+    assert tokens == outcome(reference)["token_ids"]
+    assert len(handed) >= len(tokens) // 2  # most steps were handed over, not yielded
+    assert {**outcome(steps), "token_ids": tokens} == outcome(reference)
+    await wait_until(lambda: real_engine_idle(real), what="engine idle")

@@ -200,6 +200,8 @@ async def test_model_info_says_what_media_the_worker_takes(vlm: Harness) -> None
     assert (server.mm_processor, server.mm_media_ref_schemes, server.mm_item_limits) == (
         "inprocess", "data,http,https,file", "image=2",
     )  # fmt: skip
+    # Tensors only inline: no /dev/shm advertised, so a router never sends them there.
+    assert server.shm_namespace_id == ""
 
 
 def _vllm_request(ids: list[int], **media: Any) -> vpb.GenerateRequest:

@@ -13,7 +13,7 @@ from batches import Answers, Requests, generate, read_all
 from vllm_router.client import WorkerClient
 from vllm_router.proto import vllm_engine_pb2 as pb
 
-from harness import Harness, collect_stream, real_engine_idle, request, wait_until
+from harness import Harness, collect_stream, delta, real_engine_idle, request, scrape, wait_until
 
 pytestmark = pytest.mark.vllm
 
@@ -83,4 +83,48 @@ async def test_an_abort_on_the_stream_ends_that_request_as_abort(real: Harness) 
     assert answers.last("cut").finish_reason == "abort"
     assert len(answers.tokens("cut")) < 200
     assert len(answers.tokens("whole")) == 30
+    await wait_until(lambda: real_engine_idle(real), 5.0, "the engine to be idle")
+
+
+async def test_handed_over_decode_steps_keep_tokens_usage_and_vllm_statistics(
+    real: Harness, figures
+) -> None:
+    """Token-only requests asking for the compact shape: their decode steps go from vLLM's
+    output loop straight into the stream's next message (no task per request per step),
+    with GenerateStream's tokens and usage, and vLLM's own statistics (generation tokens,
+    one inter-token latency per token after the first, observed by value) exactly as
+    vLLM's path counts them."""
+    asked = prompts(8)
+    sampling: dict[str, Any] = {"temperature": 0.0, "max_tokens": 40, "ignore_eos": True}
+    labels = {"engine": "0", "model_name": real.engine.facts.served_model_name}
+    before = await scrape(real.metrics_url)
+    call = real.stub.GenerateBatch(
+        [
+            generate(p, rid, skip_detokenize=True, compact=True, **sampling)
+            for rid, p in asked.items()
+        ]
+    )
+    answers = Answers()
+    await read_all(call, answers)
+    after = await scrape(real.metrics_url)
+    assert await call.code() == grpc.StatusCode.OK and answers.errors == {}
+    for rid, prompt in asked.items():
+        single = await collect_stream(real.stub, request(prompt, **sampling))
+        assert answers.tokens(rid) == [t for m in single for t in m.token_ids], rid
+        assert answers.last(rid).usage == single[-1].usage, rid
+    handed = sum(len(u) - 2 for u in answers.updates.values())
+    figures(f"8 compact requests x 40 tokens: {answers.compact_runs} compact runs, "
+            f"{answers.messages} messages")  # fmt: skip
+    assert answers.compact_runs >= handed > 8 * 20
+    assert delta(before, after, "vllm:generation_tokens_total", **labels) == 8 * 40
+    itl = "vllm:inter_token_latency_seconds"
+    assert delta(before, after, f"{itl}_count", **labels) == 8 * 39
+    buckets = [
+        v - before.get(k, 0.0)
+        for k, v in after.items()
+        if k[0] == f"{itl}_bucket" and ("le", "+Inf") in k[1]
+    ]
+    assert buckets == [8 * 39]
+    assert 0 < delta(before, after, f"{itl}_sum", **labels) < 8 * 39 * 5.0
+    assert delta(before, after, "vllm_servicer:generated_tokens_total") == 8 * 40
     await wait_until(lambda: real_engine_idle(real), 5.0, "the engine to be idle")

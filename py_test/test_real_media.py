@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
+import math
 import random
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -245,7 +246,7 @@ async def _processed(harness: Harness, ids: list[int], images: list[bytes]) -> A
     """What the model's own processor makes of the images (vLLM's, as a router that
     preprocesses would compute it): the engine input of the bytes path."""
     from vllm_router.engine import GenerationRequest, MediaItem
-    from vllm_router.engine.vllm.media import media_input
+    from vllm_router.engine.vllm.media_inputs import media_input
 
     request = GenerationRequest(
         "probe", ids, None, media=tuple(MediaItem("image", data=d) for d in images)
@@ -444,11 +445,36 @@ async def vlm_router_ours(vlm: Harness) -> AsyncIterator[str]:
         yield base
 
 
-async def _router_chat(base: str, content: list[dict[str, Any]], sampling: dict[str, Any]) -> Any:
+async def _router_post(base: str, content: list[dict[str, Any]], sampling: dict[str, Any]) -> Any:
     messages = [{"role": "user", "content": content}]
     body = {"model": str(real_engine.tiny_vlm()), "messages": messages, **sampling}
-    status, answer = await asyncio.to_thread(routers.openai_post, base, routers.CHAT, body)
-    return routers.normalized(routers.CHAT, status, answer)
+    return await asyncio.to_thread(routers.openai_post, base, routers.CHAT, body)
+
+
+async def _router_chat(base: str, content: list[dict[str, Any]], sampling: dict[str, Any]) -> Any:
+    return routers.normalized(routers.CHAT, *await _router_post(base, content, sampling))
+
+
+def _a_real_answer(name: str, answer: Any) -> None:
+    """Two broken answers (an untrained head's empty or NaN output) are identical too:
+    each compared answer must say something."""
+    status, choices, (_, completion_tokens) = answer
+    assert status == 200 and completion_tokens, (name, answer)
+    assert choices and all(content for _, content, *_ in choices), (name, answer)
+
+
+def _finite_logprobs(name: str, body: dict[str, Any]) -> list[float]:
+    """Every chosen and top logprob of a chat answer, each a finite number (a NaN or
+    infinity reaches a client as null or not at all)."""
+    values: list[Any] = []
+    for choice in body["choices"]:
+        entries = (choice.get("logprobs") or {}).get("content") or []
+        assert entries, (name, choice)
+        for entry in entries:
+            values.append(entry.get("logprob"))
+            values.extend(top.get("logprob") for top in entry.get("top_logprobs") or [])
+    assert all(isinstance(v, (int, float)) and math.isfinite(v) for v in values), (name, values)
+    return values
 
 
 async def test_router_in_front_of_ours_answers_as_in_front_of_vllm(
@@ -458,7 +484,16 @@ async def test_router_in_front_of_ours_answers_as_in_front_of_vllm(
         theirs = await _router_chat(vlm_router_reference, content, sampling)
         mine = await _router_chat(vlm_router_ours, content, sampling)
         assert theirs[0] == 200, (name, theirs)
+        _a_real_answer(name, theirs)
         assert mine == theirs, name
+    # The model's scores are numbers on both workers (a head vLLM never loaded gives NaN).
+    name, content, _ = CASES[7]
+    sampling = {"temperature": 0, "max_tokens": 6, "logprobs": True, "top_logprobs": 2}
+    for base in (vlm_router_reference, vlm_router_ours):
+        status, body = await _router_post(base, content, sampling)
+        assert status == 200, (name, body)
+        _a_real_answer(name, routers.normalized(routers.CHAT, status, body))
+        _finite_logprobs(name, body)
     bad_url = data_url(b"not an image")
     corrupt: list[dict[str, Any]] = [
         {"type": "image_url", "image_url": {"url": bad_url}},

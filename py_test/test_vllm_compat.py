@@ -11,8 +11,9 @@ from typing import Any
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from output_paths import counting_paths
 
-from vllm_router.engine import GenerationRequest, SamplingOptions
+from vllm_router.engine import GenerationRequest, LoadSnapshot, SamplingOptions
 from vllm_router.engine.vllm import VllmEngine, compat
 from vllm_router.engine.vllm.lean import LeanStream
 from vllm_router.engine.vllm.stats import LoadBoard
@@ -63,6 +64,18 @@ def test_a_mismatch_or_a_failing_check_turns_only_its_feature_off(
     assert "ZeroDivisionError" in lines[1]
 
 
+def test_unmatched_load_figures_are_reported_unknown_not_idle() -> None:
+    """LOAD_FIGURES' fallback: the board publishes nothing it read from a vLLM whose stat
+    logger or SchedulerStats do not match, and forgets what it had (the engine's start)."""
+    board = LoadBoard(2)
+    board.update(0, 3, 1, 0.5)
+    assert board.ranks()[0].measured_at is not None
+    board.unmeasured()
+    board.update(1, 2, 2, 0.25)
+    assert all(rank.measured_at is None for rank in board.ranks())
+    assert board.snapshot == LoadSnapshot()
+
+
 async def test_a_changed_vllm_signature_falls_back_to_the_public_path(
     real: Harness, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -83,8 +96,9 @@ async def test_a_changed_vllm_signature_falls_back_to_the_public_path(
     assert not fallback.lean_outputs and compat.LEAN_OUTPUTS not in fallback.features
     # The other features still run, and the request takes AsyncLLM.generate: same tokens.
     assert compat.RENDER in fallback.features
-    assert await token_ids(fallback, "compat-fallback") == expected
-    assert fallback.lean_streams == 0
+    with counting_paths() as counts:
+        assert await token_ids(fallback, "compat-fallback") == expected
+    assert counts.lean_streams == 0
 
 
 async def test_the_public_fallbacks_give_the_same_answers(real: Harness) -> None:

@@ -7,6 +7,9 @@ sample with all its tokens.
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import grpc
 import pytest
 from smg_grpc_proto.generated import common_pb2
@@ -84,6 +87,11 @@ async def test_one_request_id_space_across_both_contracts(start_mock: StartServe
     await wait_until(lambda: not harness.server.requests.in_flight)
 
 
+def _this_hosts_shm() -> str:
+    boot_id = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    return f"{boot_id}:{os.stat('/dev/shm').st_dev}"
+
+
 async def test_info_loads_health_and_flush(mock: Harness) -> None:
     stub = _stub(mock)
     info = await stub.GetModelInfo(vpb.GetModelInfoRequest())
@@ -93,6 +101,13 @@ async def test_info_loads_health_and_flush(mock: Harness) -> None:
     assert (server.server_type, server.data_parallel_size, server.active_requests) == (
         "vllm-grpc", 1, 0,
     )  # fmt: skip
+    # As vLLM's server fills them for a text model: no reasoning parser, so a grammar
+    # binds from the first token; this host's /dev/shm; the mock's dtype is unknown.
+    assert (server.constrained_decoding_start, server.engine_reasoning_parser) == (
+        "first_token", "",
+    )  # fmt: skip
+    assert server.shm_namespace_id == _this_hosts_shm()
+    assert server.multimodal_encoder_dtype == ""
     loads = await stub.GetLoads(vpb.GetLoadsRequest())
     assert loads.dp_rank_count == 1 and loads.loads[0].num_running_reqs == 0
     assert (await stub.HealthCheck(vpb.HealthCheckRequest())).healthy

@@ -93,3 +93,22 @@ async def test_an_over_long_prompt_is_invalid_argument_on_both(
     ours = await _outcome(real.address, request)
     theirs = await _outcome(vllm_grpc_reference, request)
     assert ours[0] == theirs[0] == "INVALID_ARGUMENT"
+
+
+async def test_server_info_says_what_vllms_server_says(
+    real: Harness, vllm_grpc_reference: str
+) -> None:
+    """The facts a router shapes requests by, for a text model: where a grammar starts on a
+    thinking prompt, the encoder dtype, this host's /dev/shm (same model and engine flags)."""
+    fields = (
+        "constrained_decoding_start", "engine_reasoning_parser", "multimodal_encoder_dtype",
+        "shm_namespace_id",
+    )  # fmt: skip
+    infos = []
+    for address in (real.address, vllm_grpc_reference):
+        async with grpc.aio.insecure_channel(address) as channel:
+            info = await vpb_grpc.VllmEngineStub(channel).GetServerInfo(vpb.GetServerInfoRequest())
+        infos.append({name: getattr(info, name) for name in fields})
+    ours, theirs = infos
+    assert ours == theirs
+    assert ours["constrained_decoding_start"] == "first_token" and ours["shm_namespace_id"]

@@ -20,7 +20,7 @@ from .dataclass_flags import add_flags, from_args
 from .engine import AsyncEngine
 from .errors import ServicerError
 from .server import ServerConfig, StartupError, preflight, serve
-from .server.config import VLLM_DEFINES
+from .server.config import VLLM_DEFINES, VLLM_ONLY
 from .testing.mock_config import MockConfig
 from .testing.mock_engine import MockAsyncEngine
 
@@ -36,15 +36,23 @@ def vllm_available() -> bool:
 
 
 def _add_our_flags(parser: argparse.ArgumentParser, *, with_vllm: bool) -> None:
-    # Flags vLLM's engine arguments also define are left to vLLM when it is present.
-    shared = frozenset(
-        f.name for f in dataclasses.fields(ServerConfig) if f.metadata.get(VLLM_DEFINES)
-    )
+    fields = dataclasses.fields(ServerConfig)
+    # Flags vLLM's engine arguments also define are left to vLLM when it is present;
+    # how vLLM's engine is served means nothing without it.
+    shared = frozenset(f.name for f in fields if f.metadata.get(VLLM_DEFINES))
+    vllm_only = frozenset(f.name for f in fields if f.metadata.get(VLLM_ONLY))
     add_flags(
         parser.add_argument_group("gRPC server"),
         ServerConfig,
-        skip=shared if with_vllm else frozenset(),
+        skip=(shared if with_vllm else frozenset()) | vllm_only,
     )
+    if with_vllm:
+        all_names = frozenset(f.name for f in fields)
+        add_flags(
+            parser.add_argument_group("vLLM engine serving"),
+            ServerConfig,
+            skip=all_names - vllm_only,
+        )
     mock = parser.add_argument_group("mock engine (no vLLM needed)")
     mock.add_argument(
         "--mock-engine", action="store_true", help="serve MockAsyncEngine instead of vLLM"
@@ -64,21 +72,6 @@ def build_parser(with_vllm: bool) -> argparse.ArgumentParser:
 
         flexible = FlexibleArgumentParser(prog="vllm-servicer", description=description)
         _add_our_flags(flexible, with_vllm=True)
-        flexible.add_argument(
-            "--lora-modules",
-            nargs="+",
-            metavar="NAME=PATH",
-            help="LoRA adapters to load at start (needs --enable-lora), as vLLM's OpenAI server",
-        )
-        flexible.add_argument(
-            "--lean-outputs",
-            action=argparse.BooleanOptionalAction,
-            default=True,
-            help="stream a request that asks for one sample and no logprobs without building "
-            "vLLM's RequestOutput per step (same tokens, text, stop handling and vllm: "
-            "metrics; less CPU per token); --no-lean-outputs sends every request through "
-            "AsyncLLM.generate",
-        )
         parser: argparse.ArgumentParser = AsyncEngineArgs.add_cli_args(flexible)
     else:
         parser = argparse.ArgumentParser(
@@ -101,7 +94,7 @@ def build_engine(args: argparse.Namespace) -> AsyncEngine:
     )
 
 
-async def load_lora_modules(engine: AsyncEngine, specs: list[str] | None) -> None:
+async def load_lora_modules(engine: AsyncEngine, specs: Sequence[str] | None) -> None:
     from .engine.vllm.lora import parse_lora_modules
 
     try:
@@ -120,7 +113,7 @@ async def _serve(args: argparse.Namespace) -> int:
     preflight(config)
     engine = build_engine(args)
     try:
-        await load_lora_modules(engine, getattr(args, "lora_modules", None))
+        await load_lora_modules(engine, config.lora_modules)
         return await serve(engine, config)
     except BaseException:
         await engine.shutdown()

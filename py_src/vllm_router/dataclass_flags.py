@@ -1,8 +1,9 @@
 """Command-line flags derived from a settings dataclass, as vLLM derives its engine flags.
 
 Field `name` becomes `--<prefix><name>` (underscores to dashes) with the field's
-default and type; help and an environment-variable default come from the field's
-metadata (`help`, `env`). A value is declared once, in the dataclass.
+default and type; help, an environment-variable default and the value's placeholder
+come from the field's metadata (`help`, `env`, `metavar`). A `tuple[X, ...]` field
+takes one or more values (`nargs="+"`). A value is declared once, in the dataclass.
 """
 
 from __future__ import annotations
@@ -17,13 +18,20 @@ from typing import Any, TypeVar
 Settings = TypeVar("Settings")
 
 
-def _scalar_type(hint: Any) -> type:
-    """int, float, str or bool from a type hint such as `str | None`."""
+def _value_type(hint: Any) -> tuple[type, bool]:
+    """int, float, str or bool from a type hint such as `str | None`, and whether the
+    setting holds several of them (`tuple[str, ...]`)."""
     if typing.get_origin(hint) in (typing.Union, types.UnionType):
         (hint,) = [arg for arg in typing.get_args(hint) if arg is not type(None)]
-    if hint not in (int, float, str, bool):
+    many = typing.get_origin(hint) is tuple
+    if many:
+        item, ellipsis = typing.get_args(hint)
+        if ellipsis is not Ellipsis:
+            raise TypeError(f"no command-line form for a {hint!r} setting")
+        hint = item
+    if hint not in (int, float, str, bool) or (many and hint is bool):
         raise TypeError(f"no command-line form for a {hint!r} setting")
-    return hint
+    return hint, many
 
 
 def add_flags(
@@ -39,7 +47,7 @@ def add_flags(
         if field.name in skip:
             continue
         flag = "--" + (prefix + field.name).replace("_", "-")
-        kind = _scalar_type(hints[field.name])
+        kind, many = _value_type(hints[field.name])
         default = field.default
         env = field.metadata.get("env")
         help_text = field.metadata.get("help", "")
@@ -55,7 +63,10 @@ def add_flags(
                 help=help_text or None,
             )  # fmt: skip
         else:
-            parser.add_argument(flag, dest=dest, type=kind, default=default, help=help_text or None)
+            parser.add_argument(
+                flag, dest=dest, type=kind, default=default, help=help_text or None,
+                nargs="+" if many else None, metavar=field.metadata.get("metavar"),
+            )  # fmt: skip
 
 
 def from_args(settings: type[Settings], args: argparse.Namespace, *, prefix: str = "") -> Settings:
@@ -66,4 +77,6 @@ def from_args(settings: type[Settings], args: argparse.Namespace, *, prefix: str
         for field in dataclasses.fields(settings)  # type: ignore[arg-type]
         if hasattr(args, dest_prefix + field.name)
     }
+    # argparse gives several values as a list; the settings hold a tuple.
+    values = {name: tuple(v) if isinstance(v, list) else v for name, v in values.items()}
     return settings(**values)

@@ -9,6 +9,11 @@ engine step for all of them (see the proto's GenerateBatchRequest); each `stream
 sees only its own request's messages, exactly those GenerateStream would send, and
 raises its own request's error as the `WorkerError` GenerateStream would have raised.
 Leaving an iterator early aborts that request; closing the BatchStream aborts all.
+
+With `compact` (the default) the requests ask for their plain decode steps in the
+response's `tokens` columns (GenerateBatchRequest.compact_tokens), which costs the
+worker less per token; each iterator still yields GenerateStream's messages (token ids
+and usage; such a message carries nothing else).
 """
 
 from __future__ import annotations
@@ -43,9 +48,11 @@ class BatchStream:
         build: BuildRequest,
         metadata: Any,
         timeout: float | None = None,
+        compact: bool = True,
     ) -> None:
         """`timeout` bounds the whole stream (every request on it); None: no bound."""
         self._build = build
+        self._compact = compact
         self._outgoing: asyncio.Queue[pb.GenerateBatchRequest | None] = asyncio.Queue()
         self._inboxes: dict[str, Inbox] = {}
         self._ended: WorkerError | None = None
@@ -63,6 +70,9 @@ class BatchStream:
                     inbox = self._inboxes.get(update.request_id)
                     if inbox is not None:
                         inbox.put_nowait(update)
+                runs = message.tokens
+                if runs.request_ids:
+                    self._deliver_runs(runs)
                 for error in message.errors:
                     inbox = self._inboxes.get(error.request_id)
                     if inbox is not None:
@@ -78,6 +88,17 @@ class BatchStream:
             ended = self._ended or WorkerError(grpc.StatusCode.CANCELLED, "the stream was closed")
             for inbox in self._inboxes.values():
                 inbox.put_nowait(ended)
+
+    def _deliver_runs(self, runs: pb.TokenRuns) -> None:
+        """Each request's run of new token ids, as a message without usage (see `run`)."""
+        token_ids = runs.token_ids
+        start = 0
+        for request_id, count in zip(runs.request_ids, runs.token_counts, strict=True):
+            inbox = self._inboxes.get(request_id)
+            if inbox is not None:
+                ids = token_ids[start : start + count]
+                inbox.put_nowait(pb.GenerateStreamResponse(request_id=request_id, token_ids=ids))
+            start += count
 
     async def stream(
         self,
@@ -109,14 +130,25 @@ class BatchStream:
         inbox: Inbox = asyncio.Queue()
         self._inboxes[request_id] = inbox
         timeout_ms = max(1, round(timeout * 1000)) if timeout else 0
-        self._outgoing.put_nowait(pb.GenerateBatchRequest(generate=request, timeout_ms=timeout_ms))
+        self._outgoing.put_nowait(
+            pb.GenerateBatchRequest(
+                generate=request, timeout_ms=timeout_ms, compact_tokens=self._compact
+            )
+        )
         samples = max(1, request.sampling_params.n) if request.sampling_params.HasField("n") else 1
         finished = 0
+        usage = pb.Usage()  # the latest, for the compact runs (which carry none)
         try:
             while finished < samples:
                 item = await inbox.get()
                 if isinstance(item, WorkerError):
                     raise item
+                if item.HasField("usage"):
+                    usage = item.usage
+                else:
+                    item.usage.CopyFrom(usage)
+                    item.usage.completion_tokens += len(item.token_ids)
+                    usage = item.usage
                 finished += item.is_finished
                 yield item
         finally:

@@ -254,6 +254,8 @@ class WorkerClient:
         finally:
             call.cancel()  # no-op once finished; otherwise the worker stops decoding
 
-    def batch(self, *, timeout: float | None = None) -> BatchStream:
-        """One GenerateBatch stream for many requests (`async with`; see client.batch)."""
-        return BatchStream(self._stub, self._request, self._metadata, timeout)
+    def batch(self, *, timeout: float | None = None, compact: bool = True) -> BatchStream:
+        """One GenerateBatch stream for many requests (`async with`; see client.batch);
+        `compact`: decode steps in the response's token columns (the worker's cheaper
+        shape; the iterators yield the same messages either way)."""
+        return BatchStream(self._stub, self._request, self._metadata, timeout, compact)

@@ -10,7 +10,7 @@ gRPC contract.
 
 from .flight import Flight
 from .health import ServingState, ServingStatus
-from .media import MediaRules
+from .media_admission import MediaRules
 from .metrics import ServicerMetrics
 from .requests import RequestTable
 from .servicer import (

@@ -14,6 +14,14 @@ all. A request waits until the message holding its news is sent before it takes 
 next step (the steps merge meanwhile, as on a single-request stream), so a client that
 reads slowly is sent fewer, larger messages and never makes the engine wait.
 
+A request's plain decode steps (new token ids, nothing else) need none of that: the
+engine hands them to the request's `Lane` from its output loop (`AsyncEngine.generate`'s
+`decoded`) while the request's task waits for something else (its finish), and the lane
+appends them to the outbox's pending message. No task wakes, no step object is built, and
+steps that arrive while a message is being sent merge into the next one. The task still
+takes the first step, the last, errors and anything else, and claims what its lane holds
+before it renders, so a request's tokens stay in order.
+
 Every request goes through the request table exactly as a single-request stream does:
 the same admission checks and limits, request-id space, drain, stall watchdog and
 metrics. What differs is only how its end is told: an error ends that request alone
@@ -24,8 +32,10 @@ still on it.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import time
 from collections.abc import AsyncIterator, Callable
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import grpc
 
@@ -48,15 +58,79 @@ CountOutcome = Callable[[grpc.StatusCode], None]
 STALLED = "the client stopped reading this stream; the request was aborted"
 
 
+class Lane:
+    """Where the engine puts one request's plain decode steps (the engine's `decoded`).
+
+    Called from inside the engine's output loop, once per request per step: it only
+    appends (the first tokens since the last message also queue the lane in the outbox).
+    The counts are the request's usage as of its latest tokens, for a renderer that
+    sends them in GenerateStream's shape.
+    """
+
+    __slots__ = ("_outbox", "cached_tokens", "compact", "completion_tokens", "prompt_tokens",
+                 "request_id", "token_ids")  # fmt: skip
+
+    def __init__(self, request_id: str, outbox: Outbox[Any, Any], compact: bool) -> None:
+        self.request_id = request_id
+        self.compact = compact
+        self.token_ids: list[int] = []
+        self.prompt_tokens = 0
+        self.completion_tokens = 0
+        self.cached_tokens = 0
+        self._outbox = outbox
+
+    def __call__(self, token_ids: list[int]) -> None:
+        if self.token_ids:
+            self.token_ids += token_ids
+        else:
+            self.token_ids = [*token_ids]  # the engine's list is not ours to extend
+            self._outbox.queue(self)
+        self.completion_tokens += len(token_ids)
+
+    def claim(self, step: EngineStep) -> EngineStep:
+        """`step` with what this lane holds unsent in front of its tokens, and the counts
+        updated from it (the task's step comes after whatever the lane took)."""
+        self.prompt_tokens = step.prompt_tokens
+        self.completion_tokens = step.completion_tokens
+        self.cached_tokens = step.cached_tokens
+        if not self.token_ids:
+            return step
+        earlier, self.token_ids = self.token_ids, []
+        self._outbox.unqueue(self)
+        return dataclasses.replace(step, token_ids=earlier + step.token_ids)
+
+    def take(self) -> list[int]:
+        taken, self.token_ids = self.token_ids, []
+        return taken
+
+
+@dataclasses.dataclass(slots=True)
+class Message(Generic[Update, Error]):
+    """One outgoing message's contents: updates, errors, and lanes with their new tokens."""
+
+    updates: list[Update]
+    errors: list[Error]
+    lanes: list[Lane]
+    lane_tokens: list[list[int]]  # lane_tokens[i]: lanes[i]'s tokens in this message
+
+    @property
+    def token_count(self) -> int:
+        return sum(map(len, self.lane_tokens))
+
+
 class Outbox(Generic[Update, Error]):
     """What the requests of one session have to say since the last message was sent."""
 
     def __init__(self) -> None:
         self._updates: list[Update] = []
         self._errors: list[Error] = []
+        self._lanes: dict[str, Lane] = {}  # lanes with tokens, in arrival order
         self._news = asyncio.Event()
         # Set once the message holding what was put since the last take has been sent.
         self._sent = asyncio.Event()
+        # Monotonic time since which a message has been waiting for the client to take it
+        # (what the stall watchdog reads for every request of the session).
+        self.sending_since: float | None = None
 
     async def put(self, update: Update) -> None:
         """Add an update and wait until the message carrying it is sent."""
@@ -69,6 +143,14 @@ class Outbox(Generic[Update, Error]):
         self._errors.append(error)
         self._news.set()
 
+    def queue(self, lane: Lane) -> None:
+        """A lane has tokens for the next message."""
+        self._lanes[lane.request_id] = lane
+        self._news.set()
+
+    def unqueue(self, lane: Lane) -> None:
+        self._lanes.pop(lane.request_id, None)
+
     def poke(self) -> None:
         """Wake the sender without news (a request ended; maybe the session has)."""
         self._news.set()
@@ -77,12 +159,14 @@ class Outbox(Generic[Update, Error]):
         await self._news.wait()
         self._news.clear()
 
-    def take(self) -> tuple[list[Update], list[Error], asyncio.Event] | None:
+    def take(self) -> tuple[Message[Update, Error], asyncio.Event] | None:
         """Everything collected, and the event to set once it is sent; None if empty."""
-        if not self._updates and not self._errors:
+        if not self._updates and not self._errors and not self._lanes:
             return None
-        taken = self._updates, self._errors, self._sent
-        self._updates, self._errors, self._sent = [], [], asyncio.Event()
+        lanes = list(self._lanes.values())
+        message = Message(self._updates, self._errors, lanes, [lane.take() for lane in lanes])
+        taken = message, self._sent
+        self._updates, self._errors, self._lanes, self._sent = [], [], {}, asyncio.Event()
         return taken
 
 
@@ -107,18 +191,25 @@ class BatchSession(Generic[Update, Error]):
         self._timed_out: set[str] = set()
         self._closing = False
 
-    @property
-    def running(self) -> frozenset[str]:
-        return frozenset(self._running)
-
-    def start(self, request_id: str, generation: GenerationRequest, timeout: float) -> None:
-        """Run `generation` (its id checked by the caller); `timeout` seconds, 0 for none."""
+    def start(
+        self,
+        request_id: str,
+        generation: GenerationRequest,
+        timeout: float,
+        *,
+        compact: bool = False,
+    ) -> None:
+        """Run `generation` (its id checked by the caller); `timeout` seconds, 0 for none;
+        `compact`: its lane's tokens are rendered in the compact shape."""
         if request_id in self._running:
             # The table would say so too, but this id's task must not be replaced.
             message = f"request_id {request_id!r} is already in flight on this stream"
             self.fail(request_id, grpc.StatusCode.ALREADY_EXISTS, message, refused=True)
             return
-        task = asyncio.create_task(self._run(request_id, generation), name=f"batch:{request_id}")
+        lane = Lane(request_id, self.outbox, compact)
+        task = asyncio.create_task(
+            self._run(request_id, generation, lane), name=f"batch:{request_id}"
+        )
         self._running[request_id] = task
         if timeout > 0:
             handle = asyncio.get_running_loop().call_later(timeout, self._expire, request_id, task)
@@ -134,9 +225,7 @@ class BatchSession(Generic[Update, Error]):
         """Abort those of `request_ids` running on this stream (others are not ours)."""
         await self._table.abort([r for r in request_ids if r in self._running])
 
-    async def sends(
-        self, reading: asyncio.Task[None]
-    ) -> AsyncIterator[tuple[list[Update], list[Error]]]:
+    async def sends(self, reading: asyncio.Task[None]) -> AsyncIterator[Message[Update, Error]]:
         """What to send, message by message, until `reading` (the task that reads the
         client's requests into this session) is done and every request has ended.
 
@@ -153,8 +242,12 @@ class BatchSession(Generic[Update, Error]):
                         return
                     await self.outbox.wait()
                     continue
-                updates, errors, sent = taken
-                yield updates, errors
+                message, sent = taken
+                if message.lanes:
+                    self._table.count_generated(message.token_count)
+                self.outbox.sending_since = time.monotonic()
+                yield message
+                self.outbox.sending_since = None
                 sent.set()
         finally:
             reading.cancel()
@@ -172,16 +265,20 @@ class BatchSession(Generic[Update, Error]):
         self._timed_out.add(request_id)
         task.cancel()
 
-    async def _run(self, request_id: str, generation: GenerationRequest) -> None:
+    async def _run(self, request_id: str, generation: GenerationRequest, lane: Lane) -> None:
         started = False  # has the engine produced anything for it (else it was refused)
         try:
-            async with self._table.run(generation) as flight:
+            async with self._table.run(generation, decoded=lane) as flight:
+                # The session's sender is what a stalled client blocks.
+                flight.send_clock = self.outbox
                 async for step in flight.steps():
-                    update = self._render(request_id, step, not started)
+                    claimed = len(lane.token_ids)
+                    if claimed:
+                        self._table.count_generated(claimed)
+                    update = self._render(request_id, lane.claim(step), not started)
                     started = True
                     flight.answering()
                     await self.outbox.put(update)
-                    flight.sending_since = None
             if self._count is not None:
                 self._count(grpc.StatusCode.OK)
         except asyncio.CancelledError:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 from ..engine import EngineStep
 from ..errors import EngineUnavailable
@@ -24,6 +24,12 @@ SHUT_DOWN = (
 )
 
 
+class SendClock(Protocol):
+    """Whatever sends a request's messages, seen by the stall watchdog."""
+
+    sending_since: float | None
+
+
 class Flight:
     """One admitted request: its engine steps, what the stall watchdog watches, its metrics.
 
@@ -33,13 +39,16 @@ class Flight:
     """
 
     __slots__ = ("_engine_steps", "_last_sent", "_metrics", "_started", "request_id",
-                 "sending_since", "shut_down", "task")  # fmt: skip
+                 "send_clock", "sending_since", "shut_down", "task")  # fmt: skip
 
     def __init__(self, request_id: str, metrics: ServicerMetrics | None) -> None:
         self.request_id = request_id
         self.task = asyncio.current_task()
         # Monotonic time since which a message has been waiting for the client to take it.
         self.sending_since: float | None = None
+        # Set when another object sends this request's messages (a batched stream's
+        # sender): the watchdog reads its clock instead.
+        self.send_clock: SendClock | None = None
         self.shut_down = False
         self._metrics = metrics
         self._started = time.monotonic()
@@ -78,7 +87,8 @@ class Flight:
     def answering(self) -> None:
         """A response message goes to gRPC now (also what a unary handler calls once)."""
         now = time.monotonic()
-        self.sending_since = now
+        if self.send_clock is None:
+            self.sending_since = now
         metrics = self._metrics
         if metrics is not None:
             if self._last_sent is None:
@@ -97,6 +107,11 @@ class Flight:
                 metrics.finish_reason.labels(step.finish_reason or "unknown").inc()
             if self.shut_down and step.finish_reason == "abort":
                 raise EngineUnavailable(SHUT_DOWN)
+
+    def stalled_since(self) -> float | None:
+        """Since when a message of this request has waited for the client to take it."""
+        clock = self.send_clock
+        return self.sending_since if clock is None else clock.sending_since
 
     def finished(self) -> None:
         if self._metrics is not None:

@@ -3,7 +3,7 @@
 Each server owns a `CollectorRegistry` (tests run several servers in one process);
 `exposition_registry` joins it with the engine's own registry (vLLM's `vllm:*`
 series, exactly as vLLM's OpenAI server exposes them) for the `/metrics` endpoint.
-Names are a contract: dashboards and alerts rely on them (README, examples/grafana).
+Names are a contract: dashboards and alerts rely on them (docs/operations.md, examples/grafana).
 """
 
 from __future__ import annotations

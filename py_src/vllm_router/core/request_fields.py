@@ -6,8 +6,9 @@ the checks take the field name for their messages; the rules are declared here o
 
 from __future__ import annotations
 
+import re
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from ..engine import ModelFacts
 from ..errors import InvalidRequest
@@ -17,6 +18,8 @@ MAX_REQUEST_ID_BYTES = 256
 
 # Call-metadata keys whose values reach the engine as W3C trace context.
 TRACE_HEADERS = ("traceparent", "tracestate")
+# W3C trace context's traceparent: version 00, a trace id and a parent id not all zeros.
+TRACEPARENT = re.compile(r"00-(?!0{32})[0-9a-f]{32}-(?!0{16})[0-9a-f]{16}-[0-9a-f]{2}")
 
 
 def new_request_id() -> str:
@@ -42,6 +45,20 @@ def trace_headers(metadata: Sequence[tuple[str, str | bytes]] | None) -> dict[st
         if key in TRACE_HEADERS
     }
     return found or None
+
+
+def request_trace(
+    traceparent: str, stream_trace: Mapping[str, str] | None, field_name: str
+) -> Mapping[str, str] | None:
+    """A request's own trace context when it names one, else its stream's."""
+    if not traceparent:
+        return stream_trace
+    if not TRACEPARENT.fullmatch(traceparent):
+        raise InvalidRequest(
+            f"{field_name} {traceparent[:80]!r} is not a W3C traceparent "
+            "(00-<32 hex trace id>-<16 hex parent id>-<2 hex flags>, lower case, not all zeros)"
+        )
+    return {"traceparent": traceparent}
 
 
 def checked_dp_rank(rank: int | None, facts: ModelFacts, field_name: str) -> int | None:

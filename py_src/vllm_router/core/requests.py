@@ -1,34 +1,31 @@
 """The request table: every generation request in flight on this worker, whatever contract.
 
-It owns the one request-id space (duplicates are ALREADY_EXISTS), the admission limits,
+It owns the one request-id space (duplicates are ALREADY_EXISTS), the concurrency limit,
 the drain (refuse new work, wait for idle, abort the rest), the watchdog that aborts
 streams whose client stopped reading, and the engine call itself, so every contract's
 handler is: convert, `async with table.run(request) as flight`, convert each of
-`flight.messages(...)` / `flight.steps()` back.
+`flight.messages(...)` / `flight.steps()` back. What a request must pass before it takes
+a place here (model kind, serving state, prompt, media) is admission.py's.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
 
-from ..engine import AsyncEngine, Embedding, GenerationRequest
+from ..engine import AsyncEngine, Embedding, GenerationRequest, TokenSink
 from ..errors import (
     DuplicateRequest,
-    InvalidRequest,
-    NotConfigured,
     Overloaded,
-    ServicerError,
 )
+from .admission import Admission
 from .flight import Flight
 from .health import ServingState
-from .media import MediaRules, resolve_media
+from .media_admission import MediaRules
 from .metrics import ServicerMetrics
-from .prompts import check_prompt
 
 logger = logging.getLogger(__name__)
 
@@ -46,11 +43,16 @@ class RequestTable:
         media_rules: MediaRules | None = None,
     ) -> None:
         self._engine = engine
-        self._media_rules = media_rules or MediaRules.of(engine.facts)
+        self._admission = Admission(
+            engine,
+            state,
+            max_prompt_tokens=max_prompt_tokens,
+            metrics=metrics,
+            media_rules=media_rules,
+        )
         self._metrics = metrics
         self._state = state
         self._max_concurrent = max_concurrent
-        self._max_prompt_tokens = max_prompt_tokens
         self._log_requests = log_requests
         self._flights: dict[str, Flight] = {}
         self._idle = asyncio.Event()
@@ -61,18 +63,18 @@ class RequestTable:
         return frozenset(self._flights)
 
     @contextlib.asynccontextmanager
-    async def run(self, request: GenerationRequest) -> AsyncIterator[Flight]:
+    async def run(
+        self, request: GenerationRequest, *, decoded: TokenSink | None = None
+    ) -> AsyncIterator[Flight]:
         """Admit `request`, start it in the engine and yield its Flight (see its steps).
+
+        `decoded`: where the engine may put the request's plain decode steps instead of
+        yielding them (`AsyncEngine.generate`); they are not counted here (the caller
+        counts them, in bulk: `count_generated`).
 
         Leaving the block (finished, cancelled, failed) closes the engine's iterator,
         which aborts the request in the engine if it is still running."""
-        async with self._rejections_counted():
-            if not self._engine.facts.is_generation:
-                raise NotConfigured(
-                    "this worker serves a pooling (embedding) model: use Embed, not generation"
-                )
-            await self._state.require_serving()
-            request = await self._with_checked_prompt(request)
+        request = await self._admission.generation(request)
         prompt_tokens = len(request.prompt_token_ids or ())
         async with self._admitted(request.request_id, prompt_tokens) as flight:
             if self._log_requests:
@@ -84,28 +86,21 @@ class RequestTable:
                     request.dp_rank,
                     request.lora_name,
                 )
-            steps = self._engine.generate(request)
+            steps = self._engine.generate(request, decoded=decoded)
             flight.begin(steps)
             try:
                 yield flight
             finally:
                 await steps.aclose()
 
+    def count_generated(self, tokens: int) -> None:
+        """Tokens that reached a client outside any Flight's steps (see `run`'s `decoded`)."""
+        if self._metrics is not None:
+            self._metrics.generated_tokens.inc(tokens)
+
     async def embed(self, request_id: str, prompt_token_ids: list[int]) -> Embedding:
         """Admit an embedding request (same id space, limits and drain) and run it."""
-        async with self._rejections_counted():
-            if self._engine.facts.is_generation:
-                raise NotConfigured(
-                    "this worker serves a generation model: Embed needs a pooling model "
-                    "(start the engine with --runner pooling, or --convert embed)"
-                )
-            await self._state.require_serving()
-            check_prompt(
-                prompt_token_ids,
-                None,
-                self._engine.facts,
-                max_prompt_tokens=self._max_prompt_tokens,
-            )
+        await self._admission.embedding(prompt_token_ids)
         async with self._admitted(request_id, len(prompt_token_ids)):
             return await self._engine.embed(request_id, prompt_token_ids)
 
@@ -119,17 +114,8 @@ class RequestTable:
         return aborted
 
     @contextlib.asynccontextmanager
-    async def _rejections_counted(self) -> AsyncIterator[None]:
-        try:
-            yield
-        except ServicerError as exc:
-            if self._metrics is not None:
-                self._metrics.reject(exc)
-            raise
-
-    @contextlib.asynccontextmanager
     async def _admitted(self, request_id: str, prompt_tokens: int) -> AsyncIterator[Flight]:
-        async with self._rejections_counted():
+        async with self._admission.counted():
             if request_id in self._flights:
                 raise DuplicateRequest(
                     f"request_id {request_id!r} is already in flight on this worker"
@@ -151,29 +137,6 @@ class RequestTable:
             flight.finished()
             if not self._flights:
                 self._idle.set()
-
-    async def _with_checked_prompt(self, request: GenerationRequest) -> GenerationRequest:
-        if request.prompt_token_ids is None:
-            ids = await self._engine.tokenize(request.prompt_text or "")
-            request = dataclasses.replace(request, prompt_token_ids=ids, prompt_text=None)
-            field_name = "prompt_text (tokenized)"
-        else:
-            field_name = request.prompt_field
-        try:
-            check_prompt(
-                request.prompt_token_ids or [],
-                None if request.fill_context else request.sampling.max_tokens,
-                self._engine.facts,
-                max_prompt_tokens=self._max_prompt_tokens,
-                field_name=field_name,
-            )
-        except InvalidRequest:
-            # vLLM validates sampling values before the prompt: a request wrong in both
-            # is told about its sampling (only failing requests pay for this check).
-            self._engine.check_sampling(request)
-            raise
-        # Media URLs are fetched last: a request refused for its prompt costs no download.
-        return await resolve_media(request, self._engine.facts, self._media_rules)
 
     # -- drain ------------------------------------------------------------------------------------
 
@@ -207,7 +170,7 @@ class RequestTable:
             await asyncio.sleep(min(1.0, stall_timeout / 4))
             now = time.monotonic()
             for flight in list(self._flights.values()):
-                since = flight.sending_since
+                since = flight.stalled_since()
                 if since is not None and now - since > stall_timeout and flight.task is not None:
                     logger.warning(
                         "request %s: client has not read for %.1fs; aborting",

@@ -11,6 +11,7 @@ finished RPC by its status code.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import logging
@@ -112,6 +113,39 @@ def _count(
     metrics.requests.labels(servicer.service_label, method, code.name).inc()
 
 
+class _Outcome:
+    """How one RPC ended: None while it runs, and if it never ends in a status (the
+    client went away, or its deadline passed)."""
+
+    __slots__ = ("code",)
+
+    def __init__(self) -> None:
+        self.code: grpc.StatusCode | None = None
+
+
+@contextlib.asynccontextmanager
+async def _answered(
+    servicer: ContractServicer, method: str, request: Any, context: grpc.aio.ServicerContext
+) -> AsyncIterator[_Outcome]:
+    """The one error mapping of `handles_errors`, around a unary or a streaming body:
+    a Malformed request is INVALID_ARGUMENT, what the body raises ends the RPC with its
+    status, and the finished RPC is counted by its code."""
+    outcome = _Outcome()
+    try:
+        if isinstance(request, Malformed):
+            raise request.invalid()
+        yield outcome
+        outcome.code = grpc.StatusCode.OK
+    except grpc.aio.AbortError:
+        outcome.code = _aborted_code(context)
+        raise
+    except Exception as exc:
+        outcome.code = status_for(exc)[0]
+        await _failed(servicer, context, exc)
+    finally:
+        _count(servicer, method, outcome.code, context)
+
+
 def handles_errors(handler: Handler) -> Handler:
     """Map what a unary or server-streaming handler raises to its gRPC status, and
     count the finished RPC by method and status code (`vllm_servicer:requests_total`).
@@ -126,22 +160,10 @@ def handles_errors(handler: Handler) -> Handler:
         async def stream(
             self: ContractServicer, request: Any, context: grpc.aio.ServicerContext
         ) -> Any:
-            code: grpc.StatusCode | None = None
-            try:
-                if isinstance(request, Malformed):
-                    raise request.invalid()
+            async with _answered(self, method, request, context):
                 messages: AsyncIterator[Any] = handler(self, request, context)
                 async for message in messages:
                     yield message
-                code = grpc.StatusCode.OK
-            except grpc.aio.AbortError:
-                code = _aborted_code(context)
-                raise
-            except Exception as exc:
-                code = status_for(exc)[0]
-                await _failed(self, context, exc)
-            finally:
-                _count(self, method, code, context)
 
         return stream  # type: ignore[return-value]
 
@@ -149,21 +171,8 @@ def handles_errors(handler: Handler) -> Handler:
 
     @functools.wraps(handler)
     async def unary(self: ContractServicer, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        code: grpc.StatusCode | None = None
-        try:
-            if isinstance(request, Malformed):
-                raise request.invalid()
-            response = await unary_handler(self, request, context)
-            code = grpc.StatusCode.OK
-            return response
-        except grpc.aio.AbortError:
-            code = _aborted_code(context)
-            raise
-        except Exception as exc:
-            code = status_for(exc)[0]
-            await _failed(self, context, exc)
-        finally:
-            _count(self, method, code, context)
+        async with _answered(self, method, request, context):
+            return await unary_handler(self, request, context)
 
     return unary  # type: ignore[return-value]
 

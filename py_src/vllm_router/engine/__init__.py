@@ -4,7 +4,7 @@
 `vllm_router.testing`. Nothing in this package imports gRPC contracts.
 """
 
-from .media import DTYPE_SIZES, MediaItem, ProcessedMedia, RawTensor
+from .media_types import DTYPE_SIZES, MediaItem, ProcessedMedia, RawTensor
 from .protocol import AsyncEngine, PauseMode
 from .types import (
     NEUTRAL_DEFAULT,
@@ -24,6 +24,7 @@ from .types import (
     SamplingOptions,
     StructuredOutputs,
     TokenLogprob,
+    TokenSink,
 )
 
 __all__ = [
@@ -50,4 +51,5 @@ __all__ = [
     "SamplingOptions",
     "StructuredOutputs",
     "TokenLogprob",
+    "TokenSink",
 ]

@@ -17,6 +17,7 @@ from .types import (
     LoraAdapter,
     ModelFacts,
     RankLoad,
+    TokenSink,
 )
 
 # What happens to requests in flight when the engine pauses (vLLM's PauseMode).
@@ -42,11 +43,20 @@ class AsyncEngine(Protocol):
         """The prompt token ids the engine would use for `text` (special tokens added)."""
         ...
 
-    def generate(self, request: GenerationRequest) -> AsyncGenerator[EngineStep, None]:
+    def generate(
+        self, request: GenerationRequest, *, decoded: TokenSink | None = None
+    ) -> AsyncGenerator[EngineStep, None]:
         """Yield one EngineStep per engine step; the last one has finished=True.
 
         `request.prompt_token_ids` is set (text prompts are tokenized first).
         Closing the iterator early aborts the request in the engine.
+
+        `decoded`: the engine may hand a plain decode step (new token ids only: not the
+        first step, not the last, no text, logprobs or anything else) to it, from its
+        output loop, instead of yielding it; only while the consumer waits for the next
+        step and nothing is buffered for it, so such tokens come after everything
+        yielded before and before everything yielded after. Later steps'
+        `completion_tokens` count them. An engine may ignore it.
         """
         ...
 

@@ -7,11 +7,11 @@ field, and a test fails when a contract field has no counterpart here.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from .media import MediaItem, ProcessedMedia
+from .media_types import MediaItem, ProcessedMedia
 
 # Why a request ended, as vLLM names it (its FinishReason enum, as strings): `error` is a
 # request-level failure (e.g. a KV-cache load that failed in a disaggregated deployment),
@@ -157,6 +157,11 @@ class EngineStep:
     error: str | None = None
 
 
+# Where an engine may put a request's plain decode steps' new token ids, called from its
+# output loop (see AsyncEngine.generate): it must only record them, never block or raise.
+TokenSink = Callable[[list[int]], None]
+
+
 @dataclass(frozen=True, slots=True)
 class ModelFacts:
     model_name: str
@@ -186,6 +191,11 @@ class ModelFacts:
     kv_engine_id: str = ""
     kv_cache_dtype: str = ""
     model_dtype: str = ""  # e.g. "torch.bfloat16"
+    # Structured outputs on a prompt that ends inside the model's thinking: the engine's
+    # reasoning parser ("" none), and whether a request's grammar waits for the parser to
+    # see the thought's end (False: it applies from the first token; None: unknown).
+    reasoning_parser: str = ""
+    grammar_after_reasoning: bool | None = None
     # Media the model takes: modality -> items per prompt at most (--limit-mm-per-prompt);
     # empty for a text-only model.
     media_limits: Mapping[str, int] = field(default_factory=dict)

@@ -5,14 +5,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..core.media import DEFAULT_MAX_BYTES as DEFAULT_MEDIA_MAX_BYTES
-from ..core.media import DEFAULT_TIMEOUT as DEFAULT_MEDIA_TIMEOUT
+from ..core.media_admission import DEFAULT_MAX_BYTES as DEFAULT_MEDIA_MAX_BYTES
+from ..core.media_admission import DEFAULT_TIMEOUT as DEFAULT_MEDIA_TIMEOUT
 from ..defaults import API_KEY_ENV, DEFAULT_HOST, DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_PORT
 
 # Field metadata keys read by `vllm_router.dataclass_flags`.
 HELP = "help"
 ENV = "env"  # environment variable that supplies the default
 VLLM_DEFINES = "vllm_defines"  # vLLM's engine flags define this flag when vLLM is present
+VLLM_ONLY = (
+    "vllm_only"  # how the vLLM engine is served: a flag only when vLLM is (no --mock-engine)
+)
+METAVAR = "metavar"  # the value's placeholder in --help
 
 
 class StartupError(RuntimeError):
@@ -67,7 +71,7 @@ class ServerConfig:
         0, "longest prompt admitted, in tokens (0: only the model's context limits it)"
     )
     # Media URLs (http(s) hosts and the local directory are vLLM's --allowed-media-domains
-    # and --allowed-local-media-path; see core.media).
+    # and --allowed-local-media-path; see core.media_admission).
     media_max_bytes: int = _opt(
         DEFAULT_MEDIA_MAX_BYTES, "largest image (or other media item) a request may carry or name"
     )
@@ -99,6 +103,20 @@ class ServerConfig:
     metrics_host: str | None = _opt(None, "address of the metrics listener (default: --host)")
     uds: str | None = _opt(
         None, "also listen on this unix socket (mode 0600, plaintext); --port -1 for it alone"
+    )
+    # How the vLLM engine is served (the mock engine has neither).
+    lean_outputs: bool = _opt(
+        True,
+        "stream a request that asks for one sample and no logprobs without building "
+        "vLLM's RequestOutput per step (same tokens, text, stop handling and vllm: "
+        "metrics; less CPU per token); --no-lean-outputs sends every request through "
+        "AsyncLLM.generate",
+        **{VLLM_ONLY: True},
+    )
+    lora_modules: tuple[str, ...] | None = _opt(
+        None,
+        "LoRA adapters to load at start (needs --enable-lora), as vLLM's OpenAI server",
+        **{VLLM_ONLY: True, METAVAR: "NAME=PATH"},
     )
 
 

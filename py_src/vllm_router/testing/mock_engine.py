@@ -40,6 +40,7 @@ from ..engine import (
     ModelFacts,
     PauseMode,
     RankLoad,
+    TokenSink,
 )
 from ..engine.types import FinishReason
 from ..errors import EngineDead, InvalidRequest, NotConfigured, Unsupported
@@ -85,6 +86,7 @@ class MockAsyncEngine:
             engine="mock",
             engine_version=__version__,
             max_num_seqs=config.max_num_seqs,
+            grammar_after_reasoning=False,  # no reasoning parser: constraints bind at once
             media_limits=media_limits(config),
             allowed_media_domains=tuple(d for d in config.allowed_media_domains.split(",") if d),
             allowed_local_media_path=config.allowed_local_media_path,
@@ -214,7 +216,9 @@ class MockAsyncEngine:
         validate_sampling(request.sampling, request.detokenize)
         check_supported(request.sampling)
 
-    async def generate(self, request: GenerationRequest) -> AsyncGenerator[EngineStep, None]:
+    async def generate(
+        self, request: GenerationRequest, *, decoded: TokenSink | None = None
+    ) -> AsyncGenerator[EngineStep, None]:
         await self.check_health()
         self.check_sampling(request)
         if request.lora_name is not None:
@@ -232,7 +236,11 @@ class MockAsyncEngine:
             held = await self._wait_for_slot(state)
             state.running = held
             interval = request.sampling.stream_interval or 1
-            async for step in every_interval(self._decode(state), interval):
+            s = request.sampling
+            # The adapter's rule: token-only, one sample, every step (see vllm/lean.py).
+            plain = (s.n or 1) == 1 and s.logprobs is None and s.prompt_logprobs is None
+            handed = decoded if plain and interval == 1 and not request.detokenize else None
+            async for step in every_interval(self._decode(state, handed), interval):
                 finished = step.finished
                 yield step
         finally:
@@ -295,7 +303,11 @@ class MockAsyncEngine:
         if self._dead is not None:
             raise EngineDead(f"engine is dead: {self._dead}")
 
-    async def _decode(self, state: _Request) -> AsyncGenerator[EngineStep, None]:
+    async def _decode(
+        self, state: _Request, decoded: TokenSink | None = None
+    ) -> AsyncGenerator[EngineStep, None]:
+        """The request's steps; with `decoded`, its plain decode steps after the first
+        yielded one go there (this generator runs only while its consumer waits on it)."""
         request = state.request
         s = request.sampling
         cached = cached_prefix(self._cached_blocks, state.prompt, self._facts.block_size)
@@ -317,7 +329,15 @@ class MockAsyncEngine:
                     self.config.tokens_per_step, self._die_if_due
                 )
                 state.generated += len(new_ids)
-                yield self._step(state, sample, new_ids, text, finish, stop_reason, cached)
+                if (
+                    decoded is not None
+                    and new_ids
+                    and sample.generated > len(new_ids)
+                    and finish is None
+                ):
+                    decoded(new_ids)
+                else:
+                    yield self._step(state, sample, new_ids, text, finish, stop_reason, cached)
                 if finish is not None:
                     active.remove(sample)
             if not active:

@@ -120,6 +120,36 @@ def _build(out: Path, generation_defaults: dict[str, Any]) -> None:
         **generation_defaults,
     )
     model.save_pretrained(out, safe_serialization=True)
+    check_output_head(out)
+
+
+def check_output_head(out: Path) -> None:
+    """Refuse a checkpoint vLLM would serve with an output head it never loaded.
+
+    vLLM's language model ties `lm_head` to the embeddings as the *text* config says,
+    while transformers saves (or, when tied, leaves out) `lm_head` as the top level says.
+    A nested config (Idefics3) whose two levels disagree is saved without the head vLLM
+    then builds untied, or with one vLLM ignores: random or NaN logits on every worker,
+    identical on all of them, so comparisons between workers cannot see it.
+    """
+    from safetensors import safe_open
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(out)
+    tied = bool(config.get_text_config().tie_word_embeddings)
+    if bool(config.tie_word_embeddings) != tied:
+        raise RuntimeError(
+            f"{out}: tie_word_embeddings is {config.tie_word_embeddings} at the top level "
+            f"but {tied} in the text config (vLLM ties by the text config)"
+        )
+    if tied:
+        return
+    names: set[str] = set()
+    for shard in out.glob("*.safetensors"):
+        with safe_open(str(shard), "pt") as tensors:
+            names.update(tensors.keys())
+    if "lm_head.weight" not in names:
+        raise RuntimeError(f"{out}: the output head is untied but no lm_head.weight was saved")
 
 
 def build_once(

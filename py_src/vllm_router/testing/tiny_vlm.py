@@ -139,6 +139,7 @@ def _build(out: Path) -> None:
     model.to(torch.bfloat16)  # type: ignore[arg-type]  # transformers mistypes .to
     model.generation_config = GenerationConfig(**special)
     model.save_pretrained(out, safe_serialization=True)
+    tiny_model.check_output_head(out)
 
 
 def build_tiny_vlm(out_dir: str | os.PathLike[str]) -> Path:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from ...core.media import checked_tensor
+from ...core.media_admission import checked_tensor
 from ...core.request_fields import checked_dp_rank, checked_request_id
 from ...core.sampling import SamplingTable
 from ...engine import (

@@ -8,7 +8,8 @@ from collections.abc import Iterator
 import grpc
 
 from ...core.accumulate import RequestResult, SampleResult
-from ...core.media import url_schemes
+from ...core.batching import Message
+from ...core.media_admission import url_schemes
 from ...engine import (
     Embedding,
     EngineStep,
@@ -94,6 +95,33 @@ def stream_message(
         message.finish_reason = step.finish_reason or ""
         _set_matched_stop(message, step)
     return message
+
+
+def batch_message(
+    message: Message[pb.GenerateStreamResponse, pb.RequestError],
+) -> pb.GenerateBatchResponse:
+    """A GenerateBatch message: the updates and errors, and what the requests' lanes took
+    since the last one: compact lanes as TokenRuns columns, the others as the
+    GenerateStream messages they would have had (tokens and usage)."""
+    response = pb.GenerateBatchResponse(updates=message.updates, errors=message.errors)
+    if not message.lanes:
+        return response
+    runs = response.tokens
+    flat: list[int] = []
+    for lane, token_ids in zip(message.lanes, message.lane_tokens, strict=True):
+        if lane.compact:
+            runs.request_ids.append(lane.request_id)
+            runs.token_counts.append(len(token_ids))
+            flat += token_ids
+        else:
+            update = response.updates.add(request_id=lane.request_id, token_ids=token_ids)
+            usage = update.usage
+            usage.prompt_tokens = lane.prompt_tokens
+            usage.completion_tokens = lane.completion_tokens
+            usage.cached_tokens = lane.cached_tokens
+    if flat:
+        runs.token_ids.extend(flat)
+    return response
 
 
 def _fill_sample(message: pb.GenerateResponse | pb.Sample, sample: SampleResult) -> None:

@@ -16,7 +16,7 @@ import grpc
 from ...core import ContractServicer, Malformed, failure_status, handles_errors
 from ...core.accumulate import RequestResult
 from ...core.batching import BatchSession
-from ...core.request_fields import checked_request_id, trace_headers
+from ...core.request_fields import checked_request_id, request_trace, trace_headers
 from ...engine import EngineStep, GenerationRequest, LoadSnapshot
 from ...errors import InvalidRequest, Unsupported
 from ...proto import vllm_engine_pb2 as pb
@@ -49,11 +49,9 @@ class VllmEngineServicer(ContractServicer, pb_grpc.VllmEngineServicer):
 
         def render(step: EngineStep) -> tuple[pb.GenerateStreamResponse]:
             nonlocal first
-            responses.raise_if_failed(step)
-            # Worker load rides on the first and the last message.
-            metrics = self._worker_metrics() if first or step.finished else None
+            message = self._stream_message(request_id, step, first)
             first = False
-            return (responses.stream_message(request_id, step, metrics),)
+            return (message,)
 
         async with self._requests.run(generation) as flight:
             async for message in flight.messages(render):
@@ -66,14 +64,14 @@ class VllmEngineServicer(ContractServicer, pb_grpc.VllmEngineServicer):
         session: Session = BatchSession(
             self._requests,
             self._state,
-            self._batch_update,
+            self._stream_message,
             responses.request_error,
             self._count_batched,
         )
         trace = trace_headers(context.invocation_metadata())
         reading = asyncio.create_task(self._read_batch(requests, session, trace))
-        async for updates, errors in session.sends(reading):
-            yield pb.GenerateBatchResponse(updates=updates, errors=errors)
+        async for message in session.sends(reading):
+            yield responses.batch_message(message)
 
     async def _read_batch(
         self,
@@ -99,13 +97,20 @@ class VllmEngineServicer(ContractServicer, pb_grpc.VllmEngineServicer):
                                 "needs an id (its answers carry it)"
                             )
                         generation = convert.to_generation_request(
-                            item.generate, self._engine.facts, trace
+                            item.generate,
+                            self._engine.facts,
+                            request_trace(item.traceparent, trace, "traceparent"),
                         )
                     except Exception as exc:  # one request's conversion, not the stream's
                         code, message = await failure_status(self._state, exc)
                         session.fail(request_id, code, message, refused=True)
                         continue
-                    session.start(request_id, generation, item.timeout_ms / 1000)
+                    session.start(
+                        request_id,
+                        generation,
+                        item.timeout_ms / 1000,
+                        compact=item.compact_tokens,
+                    )
                 else:
                     message = "a GenerateBatchRequest must set generate or abort"
                     session.fail("", grpc.StatusCode.INVALID_ARGUMENT, message, refused=True)
@@ -118,10 +123,12 @@ class VllmEngineServicer(ContractServicer, pb_grpc.VllmEngineServicer):
             labels = (SERVICE_NAME, "GenerateBatch:request", code.name)
             self.core.metrics.requests.labels(*labels).inc()
 
-    def _batch_update(
+    def _stream_message(
         self, request_id: str, step: EngineStep, first: bool
     ) -> pb.GenerateStreamResponse:
+        """One step as GenerateStream sends it, on either stream RPC."""
         responses.raise_if_failed(step)
+        # Worker load rides on the first and the last message.
         metrics = self._worker_metrics() if first or step.finished else None
         return responses.stream_message(request_id, step, metrics)
 

@@ -18,7 +18,7 @@ from typing import Any
 from smg_grpc_proto.generated import common_pb2
 from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 
-from ...core.media import checked_tensor
+from ...core.media_admission import checked_tensor
 from ...core.request_fields import checked_dp_rank, checked_request_id
 from ...core.sampling import SamplingTable
 from ...engine import (
@@ -30,7 +30,7 @@ from ...engine import (
     SamplingOptions,
     StructuredOutputs,
 )
-from ...engine.media import TensorLayout
+from ...engine.media_types import TensorLayout
 from ...errors import InvalidRequest, Unsupported
 
 _CONSTRAINTS = {  # proto oneof member -> StructuredOutputs field

@@ -2,20 +2,23 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import json
 import math
+import os
 import time
 import zipfile
 from collections.abc import Iterator
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any
 
 from smg_grpc_proto.generated import common_pb2
 from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 
-from ...core.media import url_schemes
+from ...core.media_admission import url_schemes
 from ...engine import (
     EngineStep,
     KvBlocksRemoved,
@@ -156,8 +159,41 @@ def server_info(facts: ModelFacts, active: int, started: float) -> vpb.GetServer
         kv_engine_id=facts.kv_engine_id,
         kv_cache_dtype=facts.kv_cache_dtype,
         model_dtype=facts.model_dtype,
+        # As vLLM's server: the model's dtype for every model, text-only ones too.
+        multimodal_encoder_dtype=_encoder_dtype(facts.model_dtype),
+        # Where the engine starts a request's grammar on a thinking prompt: the router
+        # shapes a forced tool call's grammar by it.
+        engine_reasoning_parser=facts.reasoning_parser,
+        constrained_decoding_start=GRAMMAR_START[facts.grammar_after_reasoning],
+        # A router on the same host may send a worker that advertises it media tensors
+        # in /dev/shm instead of inline; this worker reads inline tensors only, so only a
+        # worker that takes no media says where its /dev/shm is (as vLLM's server does).
+        shm_namespace_id="" if facts.media_limits else shm_namespace_id(),
         **_media_info(facts),
     )
+
+
+# vLLM's server's constrained_decoding_start labels, by ModelFacts.grammar_after_reasoning.
+GRAMMAR_START = {None: "", False: "first_token", True: "after_reasoning"}
+
+
+def _encoder_dtype(model_dtype: str) -> str:
+    """The dtype a router casts media tensors to, without torch's prefix ("" unknown)."""
+    dtype = model_dtype.removeprefix("torch.")
+    return dtype if dtype in ("float32", "float16", "bfloat16") else ""
+
+
+@functools.cache
+def shm_namespace_id() -> str:
+    """Which /dev/shm this process sees, as "<boot id>:<device of /dev/shm>": two processes
+    share it when both parts match (one host, one tmpfs), even across containers; ""
+    when either cannot be read."""
+    try:
+        boot_id = Path("/proc/sys/kernel/random/boot_id").read_text(encoding="ascii").strip()
+        device = os.stat("/dev/shm").st_dev
+    except OSError:
+        return ""
+    return f"{boot_id}:{device}"
 
 
 def _media_info(facts: ModelFacts) -> dict[str, Any]:
@@ -167,13 +203,11 @@ def _media_info(facts: ModelFacts) -> dict[str, Any]:
     schemes = url_schemes(facts)
     if not schemes:
         return {}
-    dtype = facts.model_dtype.removeprefix("torch.")
     return {
         "mm_processor": "inprocess",
         "mm_processor_source": "default",
         "mm_media_ref_schemes": ",".join(schemes),
         "mm_item_limits": ",".join(f"{m}={n}" for m, n in sorted(facts.media_limits.items())),
-        "multimodal_encoder_dtype": dtype if dtype in ("float32", "float16", "bfloat16") else "",
     }
 
 

@@ -27,12 +27,15 @@ from ..types import (
     LoraAdapter,
     ModelFacts,
     RankLoad,
+    TokenSink,
 )
 from .compat import (
+    BULK_LATENCIES,
     ENGINE_SERIES,
     FAST_OUTPUTS,
     KV_EVENT_ENDPOINT,
     LEAN_OUTPUTS,
+    LOAD_FIGURES,
     MEDIA,
     RENDER,
     TOKENIZE,
@@ -44,9 +47,9 @@ from .generate import VllmCall, lean_steps, request_output_steps
 from .kv_events import kv_event_batches, kv_event_sources
 from .lean import lean_eligible
 from .lora import LoraRegistry
-from .media import media_input, processed_input
+from .media_inputs import media_input, processed_input
 from .params import build_sampling_params, reraise
-from .stats import LoadBoard, capture_engine_registry
+from .stats import BulkLatencies, LoadBoard, capture_engine_registry
 
 if TYPE_CHECKING:
     from vllm.engine.arg_utils import AsyncEngineArgs
@@ -68,16 +71,26 @@ class VllmEngine:
         # Token streams without a RequestOutput per step where a request allows it
         # (lean.py); off when asked, or when this vLLM lacks the hand-off points.
         self.lean_outputs = lean_outputs and LEAN_OUTPUTS in self.features
-        self.lean_streams = 0  # requests served on the lean path (for tests and debugging)
         # Token-only requests' decode steps without vLLM's per-request output work.
         self.fast_outputs: FastOutputs | None = None
         if self.lean_outputs and FAST_OUTPUTS in self.features:
             from vllm import envs
+            from vllm.v1.metrics.loggers import PrometheusStatLogger
 
+            manager = llm.logger_manager
+            bulk = BULK_LATENCIES in self.features and manager is not None
+            if manager is not None and bulk:
+                loggers = manager.stat_loggers
+                (prometheus,) = (x for x in loggers if isinstance(x, PrometheusStatLogger))
+                BulkLatencies(prometheus)
             self.fast_outputs = FastOutputs(
-                llm.output_processor, count_nans=bool(envs.VLLM_COMPUTE_NANS_IN_LOGITS)
+                llm.output_processor,
+                count_nans=bool(envs.VLLM_COMPUTE_NANS_IN_LOGITS),
+                bulk_latencies=bulk,
             )
         self._board = board
+        if LOAD_FIGURES not in self.features:
+            board.unmeasured()  # figures this vLLM does not give are unknown, never 0
         self._prometheus = capture_engine_registry(ENGINE_SERIES in self.features)
         model_config = llm.vllm_config.model_config
         self._max_model_len = model_config.max_model_len
@@ -303,7 +316,9 @@ class VllmEngine:
     def check_sampling(self, request: GenerationRequest) -> None:
         self._sampling_params(request, len(request.prompt_token_ids or ()))
 
-    def generate(self, request: GenerationRequest) -> AsyncGenerator[EngineStep, None]:
+    def generate(
+        self, request: GenerationRequest, *, decoded: TokenSink | None = None
+    ) -> AsyncGenerator[EngineStep, None]:
         # A plain method returning the steps' generator: no extra generator layer per
         # token; invalid parameters raise here, before the request reaches vLLM.
         ids = request.prompt_token_ids
@@ -311,10 +326,14 @@ class VllmEngine:
             raise ValueError("VllmEngine.generate needs prompt_token_ids (tokenize text first)")
         if request.media or request.processed_media:
             return self._media_steps(request, ids)
-        return self._steps(request, ids, self._engine_prompt(ids, request.cache_salt))
+        return self._steps(request, ids, self._engine_prompt(ids, request.cache_salt), decoded)
 
     def _steps(
-        self, request: GenerationRequest, ids: list[int], prompt: Any
+        self,
+        request: GenerationRequest,
+        ids: list[int],
+        prompt: Any,
+        decoded: TokenSink | None = None,
     ) -> AsyncGenerator[EngineStep, None]:
         options = request.sampling
         params = self._sampling_params(request, len(ids))
@@ -334,8 +353,7 @@ class VllmEngine:
             detokenize=request.detokenize,
         )
         if self.lean_outputs and lean_eligible(options, params.n):
-            self.lean_streams += 1
-            return lean_steps(self._llm, call, self.fast_outputs)
+            return lean_steps(self._llm, call, self.fast_outputs, decoded)
         return request_output_steps(self._llm, call, options)
 
     async def _media_steps(

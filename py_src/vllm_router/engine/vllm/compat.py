@@ -3,9 +3,12 @@
 The adapter speaks vLLM's public API (`AsyncLLM.generate`, `abort`, `check_health`,
 `SamplingParams`, ...) and, for speed or for facts that API does not give, a few
 internals. Each internal is a `TouchPoint` below: what it is, the feature that needs
-it, and the public path that feature falls back to. `check_touch_points(llm)` looks at each one
+it, and what a mismatch does instead. `check_touch_points(llm)` looks at each one
 (attributes, the attributes a constructor assigns, `inspect.signature`), logs one line
-per mismatch and returns the features that may run; the worker always keeps serving.
+per mismatch and returns the features that may run, which the adapter reads to turn
+each feature off; the worker always keeps serving. One exception: KV_STORE's connector
+runs inside vLLM's engine core, not here, so it applies the same check itself
+(`kv_store_problem`, in kv_store.py) and this process's check only reports it at start.
 The suite ran on the versions in `CHECKED_VERSIONS`; another version only adds a log
 line, the checks decide.
 """
@@ -34,6 +37,7 @@ RENDER = "prompt rendering"
 KV_STORE = "SharedStorageConnector's strict loads"
 MEDIA = "images and other media"
 FAST_OUTPUTS = "token-only decode steps without vLLM's per-request output work"
+BULK_LATENCIES = "inter-token latencies observed by value, not one by one"
 # The connector's name in a kv_transfer_config (kv_store.py).
 KV_STORE_CONNECTOR = "SharedStorageConnector"
 
@@ -161,6 +165,24 @@ def _fast_outputs(llm: Any) -> str | None:
         set(dir(RequestState)), ("track_weight_version",))  # fmt: skip
 
 
+def _bulk_latencies(llm: Any) -> str | None:
+    from prometheus_client import Histogram
+    from vllm.v1.metrics.loggers import PrometheusStatLogger
+
+    manager = getattr(llm, "logger_manager", None)
+    if manager is None:
+        return None  # statistics off (--disable-log-stats): nothing is observed
+    prometheus = [x for x in manager.stat_loggers if isinstance(x, PrometheusStatLogger)]
+    if len(prometheus) != 1:
+        return f"AsyncLLM has {len(prometheus)} Prometheus stat loggers, expected 1"
+    problem = missing(parameters(type(prometheus[0]).record), STAT_RECORD_PARAMS)
+    histograms = getattr(prometheus[0], "histogram_inter_token_latency", None)
+    if problem is None and not isinstance(histograms, dict):
+        problem = "PrometheusStatLogger.histogram_inter_token_latency is not a dict"
+    probe = Histogram("probe", "", registry=None)
+    return problem or missing(set(vars(probe)), ("_sum", "_buckets", "_upper_bounds"))
+
+
 def _media(llm: Any) -> str | None:
     from vllm.inputs import engine as inputs
     from vllm.multimodal.inputs import MultiModalFieldConfig, MultiModalKwargsItems
@@ -233,7 +255,8 @@ TOUCH_POINTS = (
     TouchPoint("ZmqEventPublisher._is_bind_endpoint / offset_endpoint_port", KV_EVENT_ENDPOINT,
                "our own copy of the bind rule (wildcard, ipc, inproc)", _bind_endpoint),
     TouchPoint("StatLoggerBase.record and SchedulerStats fields", LOAD_FIGURES,
-               "figures read by name where present, 0 where absent", _stat_logger),
+               "every rank's load figures are reported unknown (GetLoads leaves their time "
+               "unset or the rank out; WorkerMetrics read 0)", _stat_logger),
     TouchPoint("renderer.tokenize_prompt_async / default_cmpl_tok_params", TOKENIZE,
                "the tokenizer's encode (special tokens added)", _renderer_tokenize),
     TouchPoint("renderer.process_for_engine", RENDER,
@@ -241,10 +264,17 @@ TOUCH_POINTS = (
     TouchPoint("OutputProcessor.process_outputs, EngineCoreOutput and the stats it updates",
                FAST_OUTPUTS, "every step through vLLM's process_outputs (lean outputs)",
                _fast_outputs),
+    TouchPoint("PrometheusStatLogger.record / histogram_inter_token_latency, prometheus_client "
+               "Histogram._sum / _buckets / _upper_bounds", BULK_LATENCIES,
+               "one observation per token, as vLLM's path", _bulk_latencies),
     TouchPoint("renderer multimodal processing, mm_input, MultiModalKwargsItems, ImageMediaIO",
                MEDIA, "media requests are refused (the model is served as text-only)", _media),
+    # Reported here; the connector, in the engine core, turns itself off (kv_store.py).
     TouchPoint("ExampleConnector internals (configured connectors only)", KV_STORE,
-               "it behaves as vLLM's ExampleConnector: missing KV is recomputed", _kv_store),
+               "the connector runs as vLLM's ExampleConnector: a decode request whose KV "
+               "is not in the store recomputes its prompt, and a KV file that is gone or "
+               "mis-shaped at load time raises in the engine core's forward pass, which "
+               "kills the engine", _kv_store),
 )  # fmt: skip
 
 

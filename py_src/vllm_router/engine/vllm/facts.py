@@ -74,7 +74,7 @@ def pd_connector(kv: Any) -> tuple[str, str]:
     return str(movers[0]["kv_connector"]), str(movers[0].get("engine_id") or engine_id)
 
 
-# The modalities this worker decodes (engine/vllm/media.py); a model's others (video,
+# The modalities this worker decodes (engine/vllm/media_inputs.py); a model's others (video,
 # audio) are not advertised, so a router does not send them.
 SERVED_MODALITIES = ("image",)
 
@@ -99,6 +99,17 @@ def media_limits(llm: AsyncLLM) -> dict[str, int]:
     return limits
 
 
+def grammar_start(vllm_config: Any) -> tuple[str, bool | None]:
+    """The reasoning parser vLLM's structured-output manager runs ("" none), and whether it
+    holds a request's grammar back until that parser has seen the thought's end (a parser
+    set and `enable_in_reasoning` off); None when the config does not say."""
+    structured = getattr(vllm_config, "structured_outputs_config", None)
+    if structured is None or not hasattr(structured, "reasoning_parser"):
+        return "", None
+    parser = str(structured.reasoning_parser or "")
+    return parser, bool(parser) and not getattr(structured, "enable_in_reasoning", False)
+
+
 def model_facts(llm: AsyncLLM, model_defaults: dict[str, Any], *, media: bool = True) -> ModelFacts:
     import vllm
 
@@ -116,6 +127,7 @@ def model_facts(llm: AsyncLLM, model_defaults: dict[str, Any], *, media: bool = 
     kv_connector, kv_engine_id = pd_connector(kv)
     parallel = vllm_config.parallel_config
     transfer = getattr(vllm_config, "weight_transfer_config", None)
+    reasoning_parser, grammar_after_reasoning = grammar_start(vllm_config)
     return ModelFacts(
         model_name=model_config.model,
         served_model_name=served if isinstance(served, str) else served[0],
@@ -141,6 +153,8 @@ def model_facts(llm: AsyncLLM, model_defaults: dict[str, Any], *, media: bool = 
         kv_engine_id=kv_engine_id,
         kv_cache_dtype=str(vllm_config.cache_config.cache_dtype or ""),
         model_dtype=str(model_config.dtype),
+        reasoning_parser=reasoning_parser,
+        grammar_after_reasoning=grammar_after_reasoning,
         media_limits=media_limits(llm) if media else {},
         tensor_parallel_size=parallel.tensor_parallel_size,
         pipeline_parallel_size=parallel.pipeline_parallel_size,

@@ -9,12 +9,15 @@ from such a step (generation tokens, one inter-token latency).
 
 `FastOutputs` wraps the output processor's `process_outputs` once per engine: the
 registered requests' plain decode steps are handled in one tight loop (the same figures
-added to the same `IterationStats` and `RequestStateStats`, so every `vllm:*` series
-counts exactly what vLLM's path would), and everything else — other requests, and any
+added to the same `IterationStats` and `RequestStateStats`, the inter-token latencies
+counted by value for stats.BulkLatencies, so every `vllm:*` series counts exactly what
+vLLM's path would), and everything else — other requests, and any
 step of a registered one that carries more than new tokens (its first, its last, engine
 events, prefill or KV-transfer data, a stop reason) — goes to vLLM's own method
 unchanged. Aborts, finishes, tracing (at the finish), engine death and stop token ids
-(applied in the engine core) therefore stay vLLM's.
+(applied in the engine core) therefore stay vLLM's. A step's new tokens go to the
+request's `LeanStream`, which hands them to its consumer's sink while it waits
+(`LeanStream.decode_step`): no task wakes for them.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import logging
 from typing import Any
 
 from .lean import LeanStream
+from .stats import BULK_LATENCIES
 
 logger = logging.getLogger(__name__)
 
@@ -39,14 +43,18 @@ EXTRAS = (
 class FastOutputs:
     """The output processor's decode steps for registered token-only requests."""
 
-    def __init__(self, output_processor: Any, *, count_nans: bool) -> None:
+    def __init__(
+        self, output_processor: Any, *, count_nans: bool, bulk_latencies: bool = False
+    ) -> None:
+        """`bulk_latencies`: leave the inter-token latencies counted by value for
+        stats.BulkLatencies, not one list entry per token."""
         self._processor = output_processor
+        self._bulk = bulk_latencies
         self._vllm_path = output_processor.process_outputs
         self._streams: dict[str, LeanStream] = {}
         # VLLM_COMPUTE_NANS_IN_LOGITS: every step is vLLM's (it checks each output).
         # `enabled` off (benchmarks): requests register no more, vLLM's path serves them.
         self.enabled = not count_nans
-        self.fast_steps = 0  # request-steps taken here (for tests and benchmarks)
         output_processor.process_outputs = self._process_outputs
 
     def register(self, engine_request_id: str, stream: LeanStream) -> None:
@@ -70,9 +78,15 @@ class FastOutputs:
             )
         states = self._processor.request_states
         rest = []
-        taken = 0
         generated = 0
         latencies = iteration_stats.inter_token_latencies_iter if iteration_stats else None
+        bulk = self._bulk
+        # One dict per engine step (vLLM may process a step's outputs in chunks).
+        by_value = (
+            vars(iteration_stats).setdefault(BULK_LATENCIES, {})
+            if bulk and latencies is not None
+            else {}
+        )
         for out in engine_core_outputs:
             stream = streams.get(out.request_id)
             state = states.get(out.request_id) if stream is not None else None
@@ -110,12 +124,14 @@ class FastOutputs:
                 stats = state.stats
                 stats.num_generation_tokens += len(tokens)
                 generated += len(tokens)
-                latencies.append(engine_core_timestamp - stats.last_token_ts)  # type: ignore[operator]
+                latency = engine_core_timestamp - stats.last_token_ts  # type: ignore[operator]
+                if bulk:
+                    by_value[latency] = by_value.get(latency, 0) + 1
+                else:
+                    latencies.append(latency)
                 stats.last_token_ts = engine_core_timestamp
-            stream._on_output(tokens, None, None, None)
-            taken += 1
+            stream.decode_step(tokens)
         if iteration_stats is not None:
             iteration_stats.num_generation_tokens += generated
-        self.fast_steps += taken
         # vLLM's path for the rest, also when empty (it returns its own result type).
         return self._vllm_path(rest, engine_core_timestamp, iteration_stats, weight_version)

@@ -13,7 +13,7 @@ from collections.abc import AsyncGenerator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..types import EngineStep, SamplingOptions
+from ..types import EngineStep, SamplingOptions, TokenSink
 from .fast_outputs import FastOutputs
 from .lean import LeanStream
 from .params import convert_logprobs, convert_prompt_logprobs, finish_of, reraise
@@ -38,10 +38,14 @@ class VllmCall:
 
 
 async def lean_steps(
-    llm: AsyncLLM, call: VllmCall, fast: FastOutputs | None = None
+    llm: AsyncLLM,
+    call: VllmCall,
+    fast: FastOutputs | None = None,
+    decoded: TokenSink | None = None,
 ) -> AsyncGenerator[EngineStep, None]:
     """A lean request's steps; with `fast`, a token-only one's decode steps skip vLLM's
-    per-request output work (fast_outputs.py)."""
+    per-request output work (fast_outputs.py), and with `decoded` too they go straight
+    to it while this generator's consumer waits (AsyncEngine.generate)."""
     try:
         queue = await llm.add_request(call.request_id, call.prompt, call.params, **call.options)
     except Exception as exc:
@@ -55,6 +59,7 @@ async def lean_steps(
             state,
             detokenize=call.detokenize,
             prompt_tokens=len(call.prompt_token_ids),
+            decoded=decoded if fast is not None else None,
         )
         # Not seen in practice (the engine core cannot answer before add_request
         # returns), but an output vLLM queued before the takeover is not lost.

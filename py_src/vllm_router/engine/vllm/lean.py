@@ -21,7 +21,7 @@ import asyncio
 import logging
 from typing import Any
 
-from ..types import EngineStep, SamplingOptions
+from ..types import EngineStep, SamplingOptions, TokenSink
 from .params import finish_of
 
 logger = logging.getLogger(__name__)
@@ -52,6 +52,7 @@ class LeanStream:
         "_produced",
         "_prompt_tokens",
         "_request_id",
+        "_sink",
         "_started",
         "_state",
         "_stop_reason",
@@ -61,9 +62,16 @@ class LeanStream:
     )
 
     def __init__(
-        self, request_id: str, state: Any | None, *, detokenize: bool, prompt_tokens: int
+        self,
+        request_id: str,
+        state: Any | None,
+        *,
+        detokenize: bool,
+        prompt_tokens: int,
+        decoded: TokenSink | None = None,
     ) -> None:
-        """Takes over `state`; None: vLLM already dropped it (see `absorb`)."""
+        """Takes over `state`; None: vLLM already dropped it (see `absorb`). `decoded`:
+        where plain decode steps go while the consumer waits (AsyncEngine.generate)."""
         self._request_id = request_id
         self._state = state
         self._prompt_tokens = prompt_tokens
@@ -74,6 +82,8 @@ class LeanStream:
         # engine-wide --stream-interval).
         self._interval: int = max(1, state.stream_interval) if state is not None else 1
         self._detokenizer = state.detokenizer if detokenize and state is not None else None
+        # Handing steps over is only for token-only requests streamed at every step.
+        self._sink = decoded if self._detokenizer is None and self._interval == 1 else None
         self._token_ids: list[int] = []
         self._text: list[str] = []
         self._finish: Any = None  # vLLM's FinishReason (or its string form) once finished
@@ -91,6 +101,24 @@ class LeanStream:
     @property
     def finished(self) -> bool:
         return self._finish is not None
+
+    def decode_step(self, new_token_ids: list[int]) -> None:
+        """A plain decode step (fast_outputs.py): to the consumer's sink while it waits
+        with nothing buffered (its earlier tokens all taken), else buffered as any step."""
+        sink = self._sink
+        if (
+            sink is not None
+            and self._waiter is not None
+            and self._started
+            and not self._token_ids
+            and new_token_ids
+            and not self._failed
+        ):
+            self._produced += len(new_token_ids)
+            self._last_token = new_token_ids[-1]
+            sink(new_token_ids)
+        else:
+            self._on_output(new_token_ids, None, None, None)
 
     def _on_output(
         self,

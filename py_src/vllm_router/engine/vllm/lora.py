@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from ...errors import DuplicateRequest, InvalidRequest, NotConfigured, NotFound
@@ -16,7 +17,7 @@ if TYPE_CHECKING:
 NOT_ENABLED = "LoRA is not enabled on this worker (start the engine with --enable-lora)"
 
 
-def parse_lora_modules(specs: list[str] | None) -> list[LoraAdapter]:
+def parse_lora_modules(specs: Sequence[str] | None) -> list[LoraAdapter]:
     """`name=path` items of --lora-modules (vLLM's OpenAI server flag)."""
     adapters = []
     for spec in specs or ():

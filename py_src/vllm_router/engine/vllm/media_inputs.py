@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from ...errors import InvalidRequest
-from ..media import MediaItem, ProcessedMedia, RawTensor
+from ..media_types import MediaItem, ProcessedMedia, RawTensor
 from ..types import GenerationRequest
 from .params import reraise
 

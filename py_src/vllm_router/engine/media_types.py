@@ -1,7 +1,8 @@
 """The neutral media types: images (and other items) of a prompt, as bytes, URLs or tensors.
 
 A contract converts its media fields into these; the serving core fetches URLs
-(`core.media`); an engine adapter decodes and processes them (vLLM: `engine.vllm.media`).
+(`core.media_admission`); an engine adapter decodes and processes them (vLLM:
+`engine.vllm.media_inputs`).
 """
 
 from __future__ import annotations

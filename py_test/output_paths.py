@@ -1,0 +1,43 @@
+"""Which output path the real engine's requests took, seen from the tests only.
+
+Counts `LeanStream`s made (requests on the lean path) and the decode steps the fast loop
+handed to them, by wrapping the two methods for the duration of a `with` block; the
+production classes keep no counters for this.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from vllm_router.engine.vllm.lean import LeanStream
+
+
+@dataclass
+class PathCounts:
+    lean_streams: int = 0  # requests served without a RequestOutput per step
+    fast_steps: int = 0  # decode steps taken by fast_outputs.py's loop
+
+
+@contextlib.contextmanager
+def counting_paths() -> Iterator[PathCounts]:
+    counts = PathCounts()
+    init, decode_step = LeanStream.__init__, LeanStream.decode_step
+
+    def counting_init(self: LeanStream, *args: Any, **kwargs: Any) -> None:
+        counts.lean_streams += 1
+        init(self, *args, **kwargs)
+
+    def counting_decode_step(self: LeanStream, new_token_ids: list[int]) -> None:
+        counts.fast_steps += 1
+        decode_step(self, new_token_ids)
+
+    LeanStream.__init__ = counting_init  # type: ignore[method-assign]
+    LeanStream.decode_step = counting_decode_step  # type: ignore[method-assign]
+    try:
+        yield counts
+    finally:
+        LeanStream.__init__ = init  # type: ignore[method-assign]
+        LeanStream.decode_step = decode_step  # type: ignore[method-assign]
