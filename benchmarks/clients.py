@@ -14,6 +14,11 @@ from workload import Record, Workload
 OneRequest = Callable[[int, list[int], Record], Awaitable[None]]
 
 
+def request_id(i: int) -> str:
+    """Unique across runs against one server (a worker refuses an id still in flight)."""
+    return f"bench-{i}-{time.monotonic_ns()}"
+
+
 async def drive(workload: Workload, one: OneRequest) -> tuple[list[Record], float]:
     """Run `workload.requests` requests, `workload.concurrency` at a time."""
     prompts = workload.prompts()
@@ -95,8 +100,8 @@ def ours_batched(
                     del waiting[update.request_id]
                     done.set_result(None)
             runs = message.tokens
-            for request_id, count in zip(runs.request_ids, runs.token_counts, strict=True):
-                waiting[request_id][0].message(count)
+            for run_id, count in zip(runs.request_ids, runs.token_counts, strict=True):
+                waiting[run_id][0].message(count)
             for error in message.errors:
                 _, done = waiting.pop(error.request_id)
                 done.set_exception(RuntimeError(f"{error.code}: {error.message}"))
@@ -104,11 +109,11 @@ def ours_batched(
     async def one(i: int, prompt: list[int], record: Record) -> None:
         if not reader:
             reader.append(asyncio.create_task(read(stub.GenerateBatch(requests()))))
-        request_id = f"bench-{i}-{time.monotonic_ns()}"
+        rid = request_id(i)
         done = asyncio.get_running_loop().create_future()
-        waiting[request_id] = (record, done)
+        waiting[rid] = (record, done)
         request = pb.GenerateRequest(
-            request_id=request_id,
+            request_id=rid,
             prompt_token_ids=prompt,
             skip_detokenize=workload.skip_detokenize,
             sampling_params=pb.SamplingParams(
@@ -140,7 +145,7 @@ def vllm_grpc(address: str, workload: Workload) -> tuple[Callable[[], Awaitable[
 
     async def one(i: int, prompt: list[int], record: Record) -> None:
         request = spb.GenerateRequest(
-            request_id=f"bench-{i}-{time.monotonic_ns()}",
+            request_id=request_id(i),
             tokenized=spb.TokenizedInput(input_ids=prompt),
             stream=True,
             sampling_params=spb.SamplingParams(
@@ -171,7 +176,7 @@ def native(address: str, workload: Workload) -> tuple[Callable[[], Awaitable[Non
 
     async def one(i: int, prompt: list[int], record: Record) -> None:
         request = npb.GenerateRequest(
-            request_id=f"bench-{i}-{time.monotonic_ns()}",
+            request_id=request_id(i),
             token_ids=npb.TokenIds(ids=prompt),
             temperature=workload.temperature,
             sampling=npb.RandomSampling(seed=i),

@@ -95,8 +95,7 @@ class Lane:
         self.cached_tokens = step.cached_tokens
         if not self.token_ids:
             return step
-        earlier, self.token_ids = self.token_ids, []
-        self._outbox.unqueue(self)
+        earlier = self._outbox.unqueue(self)
         return dataclasses.replace(step, token_ids=earlier + step.token_ids)
 
     def take(self) -> list[int]:
@@ -121,7 +120,9 @@ class Message(Generic[Update, Error]):
 class Outbox(Generic[Update, Error]):
     """What the requests of one session have to say since the last message was sent."""
 
-    def __init__(self) -> None:
+    def __init__(self, count_tokens: Callable[[int], None] | None = None) -> None:
+        """`count_tokens`: told how many lane tokens leave, in a message or claimed."""
+        self._count_tokens = count_tokens
         self._updates: list[Update] = []
         self._errors: list[Error] = []
         self._lanes: dict[str, Lane] = {}  # lanes with tokens, in arrival order
@@ -148,8 +149,13 @@ class Outbox(Generic[Update, Error]):
         self._lanes[lane.request_id] = lane
         self._news.set()
 
-    def unqueue(self, lane: Lane) -> None:
+    def unqueue(self, lane: Lane) -> list[int]:
+        """The lane's tokens, claimed by its request's task (they leave with its update)."""
         self._lanes.pop(lane.request_id, None)
+        claimed = lane.take()
+        if self._count_tokens is not None:
+            self._count_tokens(len(claimed))
+        return claimed
 
     def poke(self) -> None:
         """Wake the sender without news (a request ended; maybe the session has)."""
@@ -165,6 +171,8 @@ class Outbox(Generic[Update, Error]):
             return None
         lanes = list(self._lanes.values())
         message = Message(self._updates, self._errors, lanes, [lane.take() for lane in lanes])
+        if lanes and self._count_tokens is not None:
+            self._count_tokens(message.token_count)
         taken = message, self._sent
         self._updates, self._errors, self._lanes, self._sent = [], [], {}, asyncio.Event()
         return taken
@@ -186,7 +194,7 @@ class BatchSession(Generic[Update, Error]):
         self._render = render
         self._render_error = render_error
         self._count = count
-        self.outbox: Outbox[Update, Error] = Outbox()
+        self.outbox: Outbox[Update, Error] = Outbox(table.count_generated)
         self._running: dict[str, asyncio.Task[None]] = {}
         self._timed_out: set[str] = set()
         self._closing = False
@@ -243,8 +251,6 @@ class BatchSession(Generic[Update, Error]):
                     await self.outbox.wait()
                     continue
                 message, sent = taken
-                if message.lanes:
-                    self._table.count_generated(message.token_count)
                 self.outbox.sending_since = time.monotonic()
                 yield message
                 self.outbox.sending_since = None
@@ -272,9 +278,6 @@ class BatchSession(Generic[Update, Error]):
                 # The session's sender is what a stalled client blocks.
                 flight.send_clock = self.outbox
                 async for step in flight.steps():
-                    claimed = len(lane.token_ids)
-                    if claimed:
-                        self._table.count_generated(claimed)
                     update = self._render(request_id, lane.claim(step), not started)
                     started = True
                     flight.answering()

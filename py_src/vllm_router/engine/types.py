@@ -157,6 +157,18 @@ class EngineStep:
     error: str | None = None
 
 
+def one_plain_sample(options: SamplingOptions, samples: int) -> bool:
+    """One sample and no logprobs of any kind: what the engine makes per step is only new
+    token ids (and text). Such requests skip vLLM's RequestOutput (engine/vllm/lean.py),
+    and, token-only and streamed at every step, may be handed over by step (`TokenSink`)."""
+    return (
+        samples == 1
+        and options.logprobs is None
+        and not options.logprob_token_ids
+        and options.prompt_logprobs is None
+    )
+
+
 # Where an engine may put a request's plain decode steps' new token ids, called from its
 # output loop (see AsyncEngine.generate): it must only record them, never block or raise.
 TokenSink = Callable[[list[int]], None]

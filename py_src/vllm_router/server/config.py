@@ -13,9 +13,8 @@ from ..defaults import API_KEY_ENV, DEFAULT_HOST, DEFAULT_MAX_MESSAGE_BYTES, DEF
 HELP = "help"
 ENV = "env"  # environment variable that supplies the default
 VLLM_DEFINES = "vllm_defines"  # vLLM's engine flags define this flag when vLLM is present
-VLLM_ONLY = (
-    "vllm_only"  # how the vLLM engine is served: a flag only when vLLM is (no --mock-engine)
-)
+# How the vLLM engine is served: a flag only when vLLM is installed (not for --mock-engine).
+VLLM_ONLY = "vllm_only"
 METAVAR = "metavar"  # the value's placeholder in --help
 
 

@@ -42,7 +42,7 @@ from ..engine import (
     RankLoad,
     TokenSink,
 )
-from ..engine.types import FinishReason
+from ..engine.types import FinishReason, one_plain_sample
 from ..errors import EngineDead, InvalidRequest, NotConfigured, Unsupported
 from .mock_config import MockConfig
 from .mock_decode import SampleDecoder, cached_prefix, check_supported, every_interval
@@ -236,9 +236,8 @@ class MockAsyncEngine:
             held = await self._wait_for_slot(state)
             state.running = held
             interval = request.sampling.stream_interval or 1
-            s = request.sampling
-            # The adapter's rule: token-only, one sample, every step (see vllm/lean.py).
-            plain = (s.n or 1) == 1 and s.logprobs is None and s.prompt_logprobs is None
+            # The adapter's rule: one plain sample, token-only, every step.
+            plain = one_plain_sample(request.sampling, request.sampling.n or 1)
             handed = decoded if plain and interval == 1 and not request.detokenize else None
             async for step in every_interval(self._decode(state, handed), interval):
                 finished = step.finished

@@ -28,6 +28,7 @@ from ..types import (
     ModelFacts,
     RankLoad,
     TokenSink,
+    one_plain_sample,
 )
 from .compat import (
     BULK_LATENCIES,
@@ -45,7 +46,6 @@ from .facts import model_facts, read_tokenizer_files
 from .fast_outputs import FastOutputs
 from .generate import VllmCall, lean_steps, request_output_steps
 from .kv_events import kv_event_batches, kv_event_sources
-from .lean import lean_eligible
 from .lora import LoraRegistry
 from .media_inputs import media_input, processed_input
 from .params import build_sampling_params, reraise
@@ -352,7 +352,7 @@ class VllmEngine:
             },
             detokenize=request.detokenize,
         )
-        if self.lean_outputs and lean_eligible(options, params.n):
+        if self.lean_outputs and one_plain_sample(options, params.n):
             return lean_steps(self._llm, call, self.fast_outputs, decoded)
         return request_output_steps(self._llm, call, options)
 

@@ -21,20 +21,10 @@ import asyncio
 import logging
 from typing import Any
 
-from ..types import EngineStep, SamplingOptions, TokenSink
+from ..types import EngineStep, TokenSink
 from .params import finish_of
 
 logger = logging.getLogger(__name__)
-
-
-def lean_eligible(options: SamplingOptions, samples: int) -> bool:
-    """Requests whose outputs carry nothing a RequestOutput adds over a LeanStream."""
-    return (
-        samples == 1
-        and options.logprobs is None
-        and not options.logprob_token_ids
-        and options.prompt_logprobs is None
-    )
 
 
 class LeanStream:
