@@ -15,6 +15,7 @@ from vllm_router.testing.mock_engine import MockAsyncEngine, MockConfig
 
 import native_servers
 import real_engine
+import reaper
 import routers
 from harness import Harness, StartServer, require, start_harness
 from otlp_receiver import TraceReceiver, trace_receiver
@@ -22,6 +23,11 @@ from pki import make_pki
 from vllm_servers import free_port, vllm_openai_server
 
 _FIGURES: list[str] = []
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Every process the run starts ends when the run ends, however it ends (reaper.py)."""
+    reaper.tie_processes_to_run()
 
 
 @pytest.fixture
