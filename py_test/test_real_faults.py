@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 import grpc
@@ -84,10 +85,11 @@ async def test_killing_the_engine_core_mid_stream(figures) -> None:
             assert "UNAVAILABLE" in codes and set(codes) <= {"UNAVAILABLE", "OK"}, codes
             assert ended_after < 5, ended_after
             statuses = []
-            with pytest.raises(grpc.aio.AioRpcError):
-                while True:
-                    statuses.append((await asyncio.wait_for(watch.read(), 10)).status)
-            assert health_pb2.HealthCheckResponse.NOT_SERVING in statuses
+            while (message := await asyncio.wait_for(watch.read(), 10)) is not grpc.aio.EOF:
+                statuses.append(message.status)
+            # NOT_SERVING, then the watch ends with OK as the worker stops: a goodbye.
+            assert statuses[-1] == health_pb2.HealthCheckResponse.NOT_SERVING, statuses
+            assert await watch.code() == grpc.StatusCode.OK
         exit_code = await server.wait(60)
         figures(
             f"engine core killed with 16 streams in flight: {codes.count('UNAVAILABLE')} ended "
@@ -98,3 +100,63 @@ async def test_killing_the_engine_core_mid_stream(figures) -> None:
         assert exit_code == 1
     finally:
         server.kill()
+
+
+STALL_TIMEOUT = 4.0  # --engine-stall-timeout-seconds here: a tiny model steps in milliseconds
+
+
+async def test_a_stopped_engine_core_is_found_stuck(figures) -> None:
+    """The engine core stopped (SIGSTOP: what a wedged GPU step or collective looks like from
+    outside): a short stop is only slow; a long one fails every request UNAVAILABLE, flips
+    health to NOT_SERVING and makes the worker exit 1, while the core is still stopped."""
+    require_vllm()
+    server = await servers.start(
+        "--model", str(tiny_model()), "--port", "0", "--health-poll-seconds", "30",
+        "--engine-stall-timeout-seconds", str(STALL_TIMEOUT), *cli_flags(), timeout=240,
+    )  # fmt: skip
+    core = _engine_core(server.process.pid)
+    try:
+        async with grpc.aio.insecure_channel(server.address) as channel:
+            stub = pb_grpc.VllmEngineStub(channel)
+            health = health_pb2_grpc.HealthStub(channel)
+            # A pause shorter than the timeout: the stream finishes, nothing is failed.
+            stream = stub.GenerateStream(request([5, 6, 7], max_tokens=200, ignore_eos=True))
+            await stream.read()
+            core.suspend()
+            await asyncio.sleep(STALL_TIMEOUT / 2)
+            core.resume()
+            rest = await asyncio.wait_for(read_rest(stream), 60)
+            assert rest[-1].finish_reason == "length"
+            assert (await _health_now(health)) == health_pb2.HealthCheckResponse.SERVING
+            # Stopped for good: every stream in flight ends UNAVAILABLE, saying why.
+            streams = [
+                stub.GenerateStream(request([5 + i, 6], max_tokens=250, ignore_eos=True))
+                for i in range(4)
+            ]
+            await streams[0].read()
+            core.suspend()
+            stopped = time.monotonic()
+            # Requests that arrive at the stopped engine hang with the rest, and fail with them.
+            streams += [stub.GenerateStream(request([9, 9], max_tokens=8)) for _ in range(2)]
+            details = []
+            for call in streams:
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await asyncio.wait_for(read_rest(call), STALL_TIMEOUT + 20)
+                assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+                details.append(err.value.details() or "")
+            ended_after = time.monotonic() - stopped
+            assert all("stopped making progress" in d for d in details), details
+            heard = await _health_now(health)
+            assert heard in NOT_SERVING, heard
+            exit_code = await server.wait(60)
+        figures(
+            f"engine core stopped {STALL_TIMEOUT / 2:.0f}s: stream finished, SERVING; stopped "
+            f"for good: 4 streams and 2 new ones UNAVAILABLE after {ended_after:.1f}s (timeout "
+            f"{STALL_TIMEOUT:.0f}s), health {_named(heard)}, exit code {exit_code}"
+        )
+        assert exit_code == 1
+        assert ended_after < STALL_TIMEOUT + 3, ended_after
+    finally:
+        server.kill()
+        with contextlib.suppress(psutil.Error):
+            core.kill()

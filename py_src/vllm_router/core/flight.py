@@ -38,8 +38,8 @@ class Flight:
     no contract can forget that a drain abort is UNAVAILABLE, not an answer.
     """
 
-    __slots__ = ("_engine_steps", "_last_sent", "_metrics", "_started", "request_id",
-                 "send_clock", "sending_since", "shut_down", "task")  # fmt: skip
+    __slots__ = ("_engine_steps", "_last_sent", "_metrics", "_started", "failure",
+                 "request_id", "send_clock", "sending_since", "shut_down", "task")  # fmt: skip
 
     def __init__(self, request_id: str, metrics: ServicerMetrics | None) -> None:
         self.request_id = request_id
@@ -50,6 +50,9 @@ class Flight:
         # sender): the watchdog reads its clock instead.
         self.send_clock: SendClock | None = None
         self.shut_down = False
+        # Set with the task's cancellation when the server ends the request for a cause
+        # the client must hear (the engine stopped making progress): raised in its place.
+        self.failure: Exception | None = None
         self._metrics = metrics
         self._started = time.monotonic()
         self._last_sent: float | None = None

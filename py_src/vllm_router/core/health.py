@@ -46,11 +46,12 @@ class ServingState:
     def on_engine_death(self, listener: Callable[[], Awaitable[None]]) -> None:
         self._death_listeners.append(listener)
 
-    async def engine_died(self, detail: str) -> None:
-        """Record the engine's death; returns once every listener has heard of it
-        (every caller waits for that, not only the first)."""
+    async def engine_died(self, detail: str, reason: str = ENGINE_DEAD) -> None:
+        """Record the engine's death (`reason`: what health and refused requests say);
+        returns once every listener has heard of it (every caller waits for that, not
+        only the first)."""
         if self._dead is None:
-            self._dead = ENGINE_DEAD
+            self._dead = reason
             logger.error("Engine died (%s): this worker is NOT_SERVING from now on", detail)
             try:
                 for listener in self._death_listeners:

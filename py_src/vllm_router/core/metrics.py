@@ -100,6 +100,12 @@ class ServicerMetrics:
         )
         self.draining = Gauge(name("draining"), "1 while the server drains", registry=r)
         self.engine_alive = Gauge(name("engine_alive"), "0 once the engine is dead", registry=r)
+        self.engine_silent = Gauge(
+            name("engine_silent_seconds"),
+            "Seconds the engine has had requests without making a step (0 while idle); "
+            "the progress watchdog fails the worker past --engine-stall-timeout-seconds",
+            registry=r,
+        )
         for cause in (*REJECTION_CAUSES.values(), UNAUTHENTICATED):
             self.rejected.labels(cause)  # every cause exported from the start, at 0
 
@@ -108,11 +114,13 @@ class ServicerMetrics:
         in_flight: Callable[[], int],
         draining: Callable[[], bool],
         engine_alive: Callable[[], bool],
+        engine_silent: Callable[[], float],
     ) -> None:
         """Gauges read at scrape time from the server's own state."""
         self.in_flight.set_function(lambda: float(in_flight()))
         self.draining.set_function(lambda: float(draining()))
         self.engine_alive.set_function(lambda: float(engine_alive()))
+        self.engine_silent.set_function(engine_silent)
 
     def unauthenticated(self) -> None:
         self.rejected.labels(UNAUTHENTICATED).inc()

@@ -62,6 +62,12 @@ class RequestTable:
     def in_flight(self) -> frozenset[str]:
         return frozenset(self._flights)
 
+    @property
+    def admission(self) -> Admission:
+        """What a request passes in `run` (for a contract that needs a text prompt's ids
+        before the request runs: `Admission.tokenized`, counted as `run`'s refusals are)."""
+        return self._admission
+
     @contextlib.asynccontextmanager
     async def run(
         self, request: GenerationRequest, *, decoded: TokenSink | None = None
@@ -132,6 +138,13 @@ class RequestTable:
         self._idle.clear()
         try:
             yield flight
+        except asyncio.CancelledError:
+            if flight.failure is None:
+                raise
+            task = asyncio.current_task()
+            if task is not None and hasattr(task, "uncancel"):  # Python 3.11+
+                task.uncancel()
+            raise flight.failure from None
         finally:
             del self._flights[request_id]
             flight.finished()
@@ -157,6 +170,14 @@ class RequestTable:
         for flight in list(self._flights.values()):
             flight.shut_down = True
             await self._engine.abort(flight.request_id)
+
+    def fail_all(self, failure: Exception) -> None:
+        """End every request in flight with `failure` (an error its client is told), now:
+        for an engine that answers nothing, not even an abort."""
+        for flight in list(self._flights.values()):
+            if flight.task is not None and flight.failure is None:
+                flight.failure = failure
+                flight.task.cancel()
 
     # -- stalled readers --------------------------------------------------------------------------
 

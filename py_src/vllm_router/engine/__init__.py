@@ -9,6 +9,7 @@ from .protocol import AsyncEngine, PauseMode
 from .types import (
     NEUTRAL_DEFAULT,
     Embedding,
+    EngineProgress,
     EngineStep,
     FinishReason,
     GenerationRequest,
@@ -32,6 +33,7 @@ __all__ = [
     "NEUTRAL_DEFAULT",
     "AsyncEngine",
     "Embedding",
+    "EngineProgress",
     "EngineStep",
     "FinishReason",
     "GenerationRequest",

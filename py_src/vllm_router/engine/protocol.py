@@ -9,6 +9,7 @@ from prometheus_client.registry import Collector
 
 from .types import (
     Embedding,
+    EngineProgress,
     EngineStep,
     GenerationRequest,
     KvEventBatch,
@@ -80,6 +81,11 @@ class AsyncEngine(Protocol):
 
     def loads(self) -> list[RankLoad]:
         """Per data-parallel rank, in rank order."""
+        ...
+
+    def progress(self) -> EngineProgress:
+        """Whether the engine has work and when it last made a step; cheap, never a call
+        into the engine (it must answer while the engine is stuck)."""
         ...
 
     async def embed(self, request_id: str, prompt_token_ids: list[int]) -> Embedding:

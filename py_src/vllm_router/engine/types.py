@@ -241,6 +241,20 @@ class RankLoad:
 
 
 @dataclass(frozen=True, slots=True)
+class EngineProgress:
+    """Whether the engine has work, and when it last showed it was doing it: what the
+    progress watchdog (core.progress) reads to tell a stuck engine from a slow one.
+
+    `busy`: requests are running or waiting in the engine (not those it is holding on
+    purpose: paused or asleep). `last_step`: monotonic time of its latest step, or of
+    its going from idle to busy if later; None when the engine cannot tell.
+    """
+
+    busy: bool
+    last_step: float | None
+
+
+@dataclass(frozen=True, slots=True)
 class Embedding:
     values: list[float]
     prompt_tokens: int

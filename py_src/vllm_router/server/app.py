@@ -27,8 +27,10 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from ..core import MediaRules, RequestTable, ServicerMetrics, ServingCore, ServingState
+from ..core.progress import silent_for, watch_engine_progress
 from ..engine import AsyncEngine
 from .config import ServerConfig, StartupError, server_options
+from .health_service import HealthService
 from .interceptors import MalformedRequestInterceptor
 from .metrics_http import MetricsEndpoint, start_metrics_endpoint
 from .registry import enabled_contracts
@@ -113,10 +115,11 @@ class RunningServer:
                 in_flight=lambda: len(self.requests.in_flight),
                 draining=lambda: self.state.draining,
                 engine_alive=lambda: not self.state.engine_dead,
+                engine_silent=lambda: silent_for(engine),
             )
         self.core = ServingCore(engine, self.requests, self.state, self.metrics)
         self.state.on_engine_death(self._refresh_health)
-        self.health = health.aio.HealthServicer()
+        self.health = HealthService()
         self.contracts = enabled_contracts(config)
         # Services answered by our own (core.handles_errors-decorated) servicers.
         self.services = tuple(entry.service_name for entry in self.contracts)
@@ -154,6 +157,11 @@ class RunningServer:
                 port=self.config.metrics_port,
             )
         self._background.append(asyncio.create_task(self._watch_health(), name="health"))
+        if self.config.engine_stall_timeout_seconds > 0:
+            watchdog = watch_engine_progress(
+                self.engine, self.state, self.requests, self.config.engine_stall_timeout_seconds
+            )
+            self._background.append(asyncio.create_task(watchdog, name="engine-progress"))
         if self.config.stream_stall_timeout_seconds > 0:
             stall = self.requests.watch_stalled_streams(self.config.stream_stall_timeout_seconds)
             self._background.append(asyncio.create_task(stall, name="stalled-streams"))
@@ -248,6 +256,9 @@ class RunningServer:
             logger.warning("Drain grace over: aborting %d request(s) still in flight", left)
             await self.requests.abort_all()
             await self.requests.wait_idle(5.0)
+        # Health watchers hear NOT_SERVING, then their streams end with OK: a goodbye,
+        # not the UNAVAILABLE the server's stop would give every call still open.
+        await self.health.close_watches()
         await self.server.stop(grace=1.0)
         for task in self._background:
             task.cancel()

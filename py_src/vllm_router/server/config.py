@@ -7,6 +7,7 @@ from typing import Any
 
 from ..core.media_admission import DEFAULT_MAX_BYTES as DEFAULT_MEDIA_MAX_BYTES
 from ..core.media_admission import DEFAULT_TIMEOUT as DEFAULT_MEDIA_TIMEOUT
+from ..core.progress import DEFAULT_TIMEOUT_SECONDS as DEFAULT_ENGINE_STALL_TIMEOUT
 from ..defaults import API_KEY_ENV, DEFAULT_HOST, DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_PORT
 
 # Field metadata keys read by `vllm_router.dataclass_flags`.
@@ -79,6 +80,11 @@ class ServerConfig:
     )
     stream_stall_timeout_seconds: float = _opt(
         60.0, "abort a stream whose client has not read a message for this long (0: never)"
+    )
+    engine_stall_timeout_seconds: float = _opt(
+        DEFAULT_ENGINE_STALL_TIMEOUT,
+        "with requests running, an engine that makes no step for this long is stuck: "
+        "NOT_SERVING, its requests fail UNAVAILABLE, the worker exits non-zero (0: never)",
     )
     # Transport security; the unix socket (mode 0600) is always plaintext.
     ssl_certfile: str | None = _opt(None, "server certificate (PEM): serve TLS")

@@ -50,6 +50,17 @@ class MockConfig:
         default=0,
         metadata={"help": "fault injection: the engine dies after this many tokens (0: never)"},
     )
+    stall_after_tokens: int = field(
+        default=0,
+        metadata={
+            "help": "fault injection: the engine stops making steps (alive, stuck) after "
+            "this many tokens (0: never)"
+        },
+    )
+    stall_seconds: float = field(
+        default=0.0,
+        metadata={"help": "how long that stall lasts (0: for good, as a wedged engine)"},
+    )
 
     def __post_init__(self) -> None:
         if self.fault_finish_reason not in FAULT_FINISHES:

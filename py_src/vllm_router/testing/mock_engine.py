@@ -11,8 +11,13 @@ Behaviour is deterministic so tests can state exact expectations:
   (the message names the mock);
 - at most `max_num_seqs` requests run at once, the rest wait (visible in load());
 - a logprob is -0.5 for the sampled token and the j-th alternative is (id + j, -0.5 - j);
-- fault injection: `die_after_tokens` kills the engine, `fault_finish_reason` finishes
-  every sample with vLLM's `error` or `repetition` after two tokens.
+- fault injection: `die_after_tokens` kills the engine, `stall_after_tokens` stops every
+  request's steps for `stall_seconds` (0: for good) with the engine alive, as a wedged GPU
+  step looks, `fault_finish_reason` finishes every sample with vLLM's `error` or
+  `repetition` after two tokens;
+- it steps a request only while its consumer asks for the next step, so a request whose
+  consumer is busy (its step is out, not yet taken) is not work the engine owes
+  (`progress`).
 Where it intentionally differs from vLLM: it checks only the sampling rules a request can
 reach it with (the server has already refused empty stop strings and prompts that do not
 fit), keeps no real KV cache (a prompt block is "cached" once seen, cache usage is tokens
@@ -22,6 +27,7 @@ held / kv_cache_tokens), and never preempts.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import deque
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
@@ -31,6 +37,7 @@ from prometheus_client.registry import Collector
 from .. import __version__
 from ..engine import (
     Embedding,
+    EngineProgress,
     EngineStep,
     GenerationRequest,
     KvEventBatch,
@@ -65,6 +72,8 @@ class _Request:
     generated: int = 0
     # Admitted before a pause in "wait" mode: runs to its end while others are held.
     through_pause: bool = False
+    # Its latest step is out and its consumer has not asked for the next one yet.
+    handed_out: bool = False
 
 
 class MockAsyncEngine:
@@ -104,6 +113,10 @@ class MockAsyncEngine:
         self._running.set()
         self._pause_drained = asyncio.Event()  # set when no request runs through a pause
         self._weight_version = "default"
+        self._last_step = time.monotonic()
+        # Monotonic time until which every request's steps are held (stall injection).
+        self._stalled_until: float | None = None
+        self._stall_over = asyncio.Event()
 
     # -- protocol ---------------------------------------------------------------------------------
 
@@ -145,6 +158,10 @@ class MockAsyncEngine:
     async def shutdown(self) -> None:
         for request_id in list(self._requests):
             await self.abort(request_id)
+
+    def progress(self) -> EngineProgress:
+        busy = self._running.is_set() and any(not r.handed_out for r in self._requests.values())
+        return EngineProgress(busy=busy, last_step=self._last_step)
 
     def loads(self) -> list[RankLoad]:
         held = self._requests.values()
@@ -191,6 +208,7 @@ class MockAsyncEngine:
 
     async def resume(self) -> None:
         self._running.set()
+        self._last_step = time.monotonic()  # held requests move from now on
 
     async def is_paused(self) -> bool:
         return not self._running.is_set()
@@ -228,6 +246,8 @@ class MockAsyncEngine:
         if request.request_id in self._requests:
             raise InvalidRequest(f"request id {request.request_id!r} is already running")
         self.last_request = request
+        if not self.progress().busy:
+            self._last_step = time.monotonic()  # work arrives at an idle engine
         state = _Request(request, prompt_with_media(request, self.config))
         self._requests[request.request_id] = state
         finished = False
@@ -241,7 +261,9 @@ class MockAsyncEngine:
             handed = decoded if plain and interval == 1 and not request.detokenize else None
             async for step in every_interval(self._decode(state, handed), interval):
                 finished = step.finished
+                state.handed_out = True
                 yield step
+                state.handed_out = False
         finally:
             state.running = False
             if held:
@@ -284,6 +306,17 @@ class MockAsyncEngine:
             return False
         return got_slot
 
+    async def _stall(self) -> None:
+        """Hold every request's steps until the injected stall is over (never, when it is
+        for good: as a wedged engine, it answers nothing, aborts included)."""
+        until = self._stalled_until
+        assert until is not None
+        if until != float("inf"):
+            await asyncio.sleep(max(0.0, until - time.monotonic()))
+            self._stalled_until = None
+        else:
+            await self._stall_over.wait()
+
     async def _paused_wait(self, state: _Request) -> None:
         """Hold a request while generation is paused (until resumed, aborted or dead)."""
         resumed = asyncio.ensure_future(self._running.wait())
@@ -299,6 +332,9 @@ class MockAsyncEngine:
         limit = self.config.die_after_tokens
         if limit and self._tokens_produced >= limit:
             self.kill(f"fault injection after {self._tokens_produced} tokens")
+        if self._tokens_produced == self.config.stall_after_tokens:
+            seconds = self.config.stall_seconds
+            self._stalled_until = time.monotonic() + seconds if seconds > 0 else float("inf")
         if self._dead is not None:
             raise EngineDead(f"engine is dead: {self._dead}")
 
@@ -315,6 +351,8 @@ class MockAsyncEngine:
             for i in range(s.n or 1)
         ]
         while active:
+            if self._stalled_until is not None:
+                await self._stall()
             if not self._running.is_set() and not state.aborted and not state.through_pause:
                 await self._paused_wait(state)
             if self._dead is not None:
@@ -339,6 +377,7 @@ class MockAsyncEngine:
                     yield self._step(state, sample, new_ids, text, finish, stop_reason, cached)
                 if finish is not None:
                     active.remove(sample)
+            self._last_step = time.monotonic()
             if not active:
                 return
             if self.config.step_delay > 0:

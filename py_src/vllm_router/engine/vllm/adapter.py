@@ -19,6 +19,7 @@ from ...errors import EngineDead, NotConfigured
 from ..protocol import PauseMode
 from ..types import (
     Embedding,
+    EngineProgress,
     EngineStep,
     GenerationRequest,
     KvEventBatch,
@@ -32,6 +33,7 @@ from ..types import (
 )
 from .compat import (
     BULK_LATENCIES,
+    ENGINE_PROGRESS,
     ENGINE_SERIES,
     FAST_OUTPUTS,
     KV_EVENT_ENDPOINT,
@@ -89,6 +91,9 @@ class VllmEngine:
                 bulk_latencies=bulk,
             )
         self._board = board
+        # Paused or asleep by our own call: its requests are held on purpose, not stuck.
+        self._held = False
+        self._progress = ENGINE_PROGRESS in self.features
         if LOAD_FIGURES not in self.features:
             board.unmeasured()  # figures this vLLM does not give are unknown, never 0
         self._prometheus = capture_engine_registry(ENGINE_SERIES in self.features)
@@ -143,6 +148,18 @@ class VllmEngine:
 
     def loads(self) -> list[RankLoad]:
         return self._board.ranks()
+
+    def progress(self) -> EngineProgress:
+        if not self._progress:
+            return EngineProgress(busy=False, last_step=None)
+        busy = not self._held and bool(self._llm.output_processor.request_states)
+        return EngineProgress(busy=busy, last_step=self._board.last_step)
+
+    def _work_arrives(self) -> None:
+        """A request is about to enter the engine: an idle engine's silence so far is no
+        stall, so the watchdog's clock starts now."""
+        if self._progress and not self._llm.output_processor.request_states:
+            self._board.stepped()
 
     async def check_health(self) -> None:
         try:
@@ -199,9 +216,15 @@ class VllmEngine:
 
     async def pause(self, mode: PauseMode, clear_cache: bool) -> None:
         await self._call(self._llm.pause_generation, mode=mode, clear_cache=clear_cache)
+        self._held = True
 
     async def resume(self) -> None:
         await self._call(self._llm.resume_generation)
+        self._release()
+
+    def _release(self) -> None:
+        self._held = False
+        self._board.stepped()  # held requests start moving now, not when they were held
 
     async def is_paused(self) -> bool:
         return bool(await self._call(self._llm.is_paused))
@@ -209,10 +232,12 @@ class VllmEngine:
     async def sleep(self, level: int, mode: PauseMode) -> None:
         self._require_sleep_mode()
         await self._call(self._llm.sleep, level, mode)
+        self._held = True
 
     async def wake_up(self, tags: list[str] | None) -> None:
         self._require_sleep_mode()
         await self._call(self._llm.wake_up, tags)
+        self._release()
 
     async def is_sleeping(self) -> bool:
         return bool(await self._call(self._llm.is_sleeping))
@@ -287,6 +312,7 @@ class VllmEngine:
         from vllm.pooling_params import PoolingParams
 
         prompt = self._engine_prompt(prompt_token_ids)
+        self._work_arrives()
         outputs = self._llm.encode(prompt, PoolingParams(task="embed"), request_id)
         try:
             async for out in outputs:
@@ -352,6 +378,7 @@ class VllmEngine:
             },
             detokenize=request.detokenize,
         )
+        self._work_arrives()
         if self.lean_outputs and one_plain_sample(options, params.n):
             return lean_steps(self._llm, call, self.fast_outputs, decoded)
         return request_output_steps(self._llm, call, options)

@@ -38,6 +38,7 @@ KV_STORE = "SharedStorageConnector's strict loads"
 MEDIA = "images and other media"
 FAST_OUTPUTS = "token-only decode steps without vLLM's per-request output work"
 BULK_LATENCIES = "inter-token latencies observed by value, not one by one"
+ENGINE_PROGRESS = "the engine progress watchdog"
 # The connector's name in a kv_transfer_config (kv_store.py).
 KV_STORE_CONNECTOR = "SharedStorageConnector"
 
@@ -241,6 +242,12 @@ class TouchPoint:
     check: Callable[[Any], str | None]
 
 
+def _engine_progress(llm: Any) -> str | None:
+    # Work in the engine is its output processor's unfinished requests; a step is one
+    # stat-logger record (vLLM sends scheduler stats with every step while it logs stats).
+    return _request_states(llm) or _stat_logger(llm)
+
+
 TOUCH_POINTS = (
     TouchPoint("RequestState.make_request_output and its attributes", LEAN_OUTPUTS,
                GENERATE_PATH, _make_request_output),
@@ -257,6 +264,9 @@ TOUCH_POINTS = (
     TouchPoint("StatLoggerBase.record and SchedulerStats fields", LOAD_FIGURES,
                "every rank's load figures are reported unknown (GetLoads leaves their time "
                "unset or the rank out; WorkerMetrics read 0)", _stat_logger),
+    TouchPoint("OutputProcessor.request_states with StatLoggerBase.record once per engine step",
+               ENGINE_PROGRESS, "no progress watchdog: a stuck engine core is found only "
+               "when it dies", _engine_progress),
     TouchPoint("renderer.tokenize_prompt_async / default_cmpl_tok_params", TOKENIZE,
                "the tokenizer's encode (special tokens added)", _renderer_tokenize),
     TouchPoint("renderer.process_for_engine", RENDER,

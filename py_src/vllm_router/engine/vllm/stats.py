@@ -26,6 +26,12 @@ class LoadBoard:
         self._ranks = {rank: RankLoad(rank, 0, 0, 0.0, None) for rank in range(dp_size)}
         self.snapshot = LoadSnapshot()
         self._measured = True
+        # Monotonic time of the engine's latest step (any rank), or of work arriving at an
+        # idle engine: the progress watchdog's clock (EngineProgress.last_step).
+        self.last_step = time.monotonic()
+
+    def stepped(self) -> None:
+        self.last_step = time.monotonic()
 
     def unmeasured(self) -> None:
         """Publish no figures from now on: each rank's stay unknown as before its first
@@ -66,6 +72,7 @@ class LoadBoard:
                 engine_idx: int | None = None,
                 **more: Any,
             ) -> None:
+                board.stepped()
                 # Read by name with defaults, so a renamed field costs a figure, not the
                 # engine's output loop (compat.py checks and logs the names at start).
                 if scheduler_stats is not None:
