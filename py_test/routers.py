@@ -20,7 +20,7 @@ from typing import Any
 
 from vllm_router.testing.wait_serving import serving
 
-from harness import tool_path
+from harness import Harness, tool_path
 from real_engine import ROOT, cli_flags
 from vllm_servers import START_TIMEOUT, free_port, stop_process_group
 
@@ -135,16 +135,41 @@ def smg_router_in_thread(
     return in_thread(smg_router(workers, model, log, *extra))
 
 
-def start_and_drop(base: str, path: str, body: dict, lines: int = 4) -> None:
-    """POST a streaming request, read its first lines, and hang up mid-stream."""
+async def drop_mid_stream(base: str, body: dict, harness: Harness) -> int:
+    """Stream a chat through the router to `harness`'s worker, read its first lines, check
+    the request is in flight on the worker, hang up, and wait for the engine to stop;
+    returns how many tokens the worker generated for it (far fewer than asked, when the
+    hang-up reached the engine)."""
+    metrics = harness.server.metrics
+    assert metrics is not None, "the harness records no metrics (metrics_port)"
+
+    def generated() -> float:
+        value = metrics.registry.get_sample_value("vllm_servicer:generated_tokens_total")
+        return value or 0.0
+
+    before = generated()
     url = urllib.parse.urlparse(base)
     assert url.hostname is not None
     connection = http.client.HTTPConnection(url.hostname, url.port, timeout=30)
-    connection.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
-    response = connection.getresponse()
-    for _ in range(lines):
-        response.readline()
-    connection.close()  # the client goes away mid-stream
+
+    def open_and_read() -> int:
+        connection.request("POST", CHAT, json.dumps(body), {"Content-Type": "application/json"})
+        response = connection.getresponse()
+        for _ in range(4):
+            response.readline()
+        return response.status
+
+    try:
+        status = await asyncio.to_thread(open_and_read)
+        assert status == 200, status
+        assert harness.server.requests.in_flight, "the request is not in flight on the worker"
+    finally:
+        connection.close()  # the client goes away mid-stream
+    deadline = time.monotonic() + 10
+    while harness.engine.load().running_requests or harness.server.requests.in_flight:
+        assert time.monotonic() < deadline, "the worker did not stop the request"
+        await asyncio.sleep(0.02)
+    return int(generated() - before)
 
 
 def openai_post(base: str, path: str, body: dict) -> tuple[int, dict]:

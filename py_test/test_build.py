@@ -26,6 +26,8 @@ def test_sdist_then_wheel_contains_generated_stubs(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     (sdist,) = tmp_path.glob("*.tar.gz")
     (wheel,) = tmp_path.glob("*.whl")
+    # The distribution is named after the product; the vllm-project's router owns `vllm-router`.
+    assert wheel.name.startswith("vllm_servicer-"), wheel.name
     with tarfile.open(sdist) as tar:
         sdist_names = tar.getnames()
     assert any(n.endswith("proto/vllm_engine.proto") for n in sdist_names)

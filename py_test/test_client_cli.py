@@ -1,6 +1,7 @@
 """`vllm-servicer-client` as an operator runs it: a subprocess against a worker.
 
-Every failure is one line on stderr and exit 1, never a traceback.
+Every failure is one line on stderr and exit 1, never a traceback. A call imports only
+what its command needs (no transformers, torch, vLLM or numpy at all).
 """
 
 from __future__ import annotations
@@ -9,23 +10,38 @@ import asyncio
 import json
 import os
 import sys
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
+import pytest_asyncio
 
 from vllm_router.server import ServerConfig
+from vllm_router.testing.mock_config import MockConfig
+from vllm_router.testing.mock_tokenizer import MockEngineWithTokenizer, write_word_tokenizer
 
-from harness import Harness, StartServer, read_rest, request
+from harness import Harness, StartServer, read_rest, request, start_harness
 
 CLIENT = [sys.executable, "-c", "from vllm_router.client_cli import main; main()"]
+# The same, writing the top-level modules it imported to $MODULES_FILE as it exits.
+LISTING_CLIENT = [sys.executable, "-c", "import atexit, json, os, sys; atexit.register(lambda: "
+                  "open(os.environ['MODULES_FILE'], 'w').write(json.dumps(sorted("
+                  "{m.split('.')[0] for m in sys.modules})))); "
+                  "from vllm_router.client_cli import main; main()"]  # fmt: skip
+# What a thin client must never pay for: seconds of imports each.
+HEAVY = {"transformers", "torch", "vllm", "numpy"}
 
 
-async def client(*args: str, timeout: float = 120) -> tuple[int, str, str]:
-    """Run the CLI (in its own process: this event loop keeps serving meanwhile)."""
+async def client(
+    *args: str, timeout: float = 120, modules: Path | None = None
+) -> tuple[int, str, str]:
+    """Run the CLI (in its own process: this event loop keeps serving meanwhile);
+    `modules`: a file the CLI lists its imported modules in."""
+    listing = {"MODULES_FILE": str(modules)} if modules else {}
     process = await asyncio.create_subprocess_exec(
-        *CLIENT, *args,
+        *(LISTING_CLIENT if modules else CLIENT), *args,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-        env={**os.environ, "VLLM_SERVICER_API_KEY": ""},
+        env={**os.environ, "VLLM_SERVICER_API_KEY": "", **listing},
     )  # fmt: skip
     out, err = await asyncio.wait_for(process.communicate(), timeout)
     assert process.returncode is not None
@@ -148,6 +164,58 @@ async def test_unix_socket(start_mock: StartServer, tmp_path: Path) -> None:
     rc, out, _ = await client("--uds", uds, "generate", "1 2", "--token-ids", "--max-tokens",
                               "2", "--ignore-eos")  # fmt: skip
     assert rc == 0 and out.split() == ["3", "4"]
+
+
+@pytest_asyncio.fixture
+async def tokenizing_worker(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[str]:
+    """The address of a mock worker serving a word tokenizer's files (ids stated in
+    testing.mock_tokenizer); the CLI calls share a fresh tokenizer cache."""
+    monkeypatch.setenv("VLLM_SERVICER_TOKENIZER_CACHE", str(tmp_path / "cache"))
+    engine = MockEngineWithTokenizer(write_word_tokenizer(tmp_path / "words"), MockConfig())
+    harness = await start_harness(engine, ServerConfig(port=0, shutdown_grace_seconds=2.0))
+    try:
+        yield harness.address
+    finally:
+        await harness.close()
+
+
+async def test_text_and_chat_prompts_with_the_workers_tokenizer(tokenizing_worker: str) -> None:
+    """Tokenized on the client (the mock would count a text's bytes): `<s>hello world` and
+    the chat template's `<s>user: hello world\\n<s>assistant:`."""
+    generate = ("--address", tokenizing_worker, "--json", "generate", "--max-tokens", "2",
+                "--ignore-eos")  # fmt: skip
+    rc, out, err = await client(*generate, "hello world")
+    assert rc == 0, err
+    answer = json.loads(out)
+    assert (answer["prompt_tokens"], answer["token_ids"]) == (3, [9, 10])
+    rc, out, err = await client(*generate, "--chat", "hello world")
+    assert rc == 0, err
+    answer = json.loads(out)
+    assert (answer["prompt_tokens"], answer["token_ids"]) == (8, [7, 8])
+
+
+async def test_each_command_imports_only_what_it_needs(
+    tokenizing_worker: str, tmp_path: Path
+) -> None:
+    at = ("--address", tokenizing_worker)
+    one = ("--max-tokens", "1")
+    # (arguments, modules it must not import, modules it must)
+    cases = [
+        (("--help",), {"grpc", "google", "asyncio", "tokenizers", "jinja2"}, set()),
+        ((*at, "info"), {"tokenizers", "jinja2", "tqdm"}, {"grpc"}),
+        ((*at, "health"), {"tokenizers", "jinja2", "tqdm"}, {"grpc"}),
+        ((*at, "loads"), {"tokenizers", "jinja2", "tqdm"}, {"grpc"}),
+        ((*at, "generate", "1 2", "--token-ids", *one), {"tokenizers", "jinja2"}, {"grpc"}),
+        ((*at, "generate", "hello", *one), {"jinja2"}, {"tokenizers"}),
+        ((*at, "generate", "--chat", "hello", *one), set(), {"tokenizers", "jinja2"}),
+    ]
+    listing = tmp_path / "modules.json"
+    for args, absent, present in cases:
+        rc, _, err = await client(*args, modules=listing)
+        assert rc == 0, err
+        imported = set(json.loads(listing.read_text()))
+        assert not imported & (absent | HEAVY), (args, imported & (absent | HEAVY))
+        assert present <= imported, (args, present - imported)
 
 
 @pytest.mark.vllm

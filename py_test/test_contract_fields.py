@@ -20,7 +20,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 from vllm_router.contracts.vllm_engine_v1 import convert
 from vllm_router.contracts.vllm_grpc_engine import convert as official_convert
 from vllm_router.contracts.vllm_native import convert as native_convert
-from vllm_router.engine import GenerationRequest, ModelFacts, SamplingOptions
+from vllm_router.engine import GenerationRequest, ModelFacts, SamplingOptions, StructuredOutputs
 from vllm_router.errors import ServicerError
 from vllm_router.proto import vllm_engine_pb2 as pb
 from vllm_router.proto import vllm_native_pb2 as npb
@@ -100,14 +100,59 @@ def test_every_generate_request_field_is_used_or_refused(field: FieldDescriptor)
     pytest.fail(f"GenerateRequest.{field.name} changes nothing and is not refused")
 
 
-def test_both_contracts_read_sampling_through_the_one_table() -> None:
-    """Every sampling field of either proto is read by its contract's SamplingTable (driven
-    by the one SamplingOptions declaration) or named as read elsewhere: a new proto field
-    fails here until it is mapped."""
+def test_every_contract_reads_sampling_through_the_one_table() -> None:
+    """Every sampling field of each contract's proto is read by its contract's SamplingTable
+    (driven by the one SamplingOptions declaration) or named as read elsewhere: a new proto
+    field fails here until it is mapped."""
     assert convert.SAMPLING.covered == set(pb.SamplingParams.DESCRIPTOR.fields_by_name)
     official = official_convert.SAMPLING.covered | official_convert.HANDLED_ELSEWHERE
     assert official == set(vpb.SamplingParams.DESCRIPTOR.fields_by_name)
     assert not official_convert.SAMPLING.covered & official_convert.HANDLED_ELSEWHERE
+    # vLLM's native request spreads its sampling over four parts (and `temperature`).
+    parts = ("sampling", "decoding", "stopping", "response")
+    native = {
+        f"{part}.{name}"
+        for part in parts
+        for name in npb.GenerateRequest.DESCRIPTOR.fields_by_name[part].message_type.fields_by_name
+    }
+    read = native_convert.SAMPLING.covered | native_convert.HANDLED_ELSEWHERE
+    assert read == native | {"temperature"}
+    assert not native_convert.SAMPLING.covered & native_convert.HANDLED_ELSEWHERE
+
+
+def test_native_sampling_as_vllm_rs_reads_it() -> None:
+    """Every field the native table reads, set, and the zeros vllm-rs reads as unset."""
+    request = npb.GenerateRequest(
+        token_ids=npb.TokenIds(ids=[1]),
+        temperature=0.5,
+        sampling=npb.RandomSampling(num_sequences=2, top_k=5, top_p=0.5, min_p=0.25, seed=7),
+        decoding=npb.DecodingParameters(
+            presence_penalty=0.5, frequency_penalty=0.25, repetition_penalty=1.5,
+            logit_bias={3: 0.5}, allowed_token_ids=[3, 4], regex="[a-z]",
+        ),
+        stopping=npb.StoppingCriteria(
+            max_new_tokens=9, min_new_tokens=2, stop_token_ids=[5], stop_strings=["x"],
+            include_stop_strings=True, ignore_eos=True,
+        ),
+        response=npb.ResponseOptions(
+            skip_special_tokens=False, output_logprobs=True, prompt_logprobs=True,
+            output_candidates=npb.CandidateTokens(token_ids=npb.TokenIds(ids=[6])),
+            prompt_candidates=npb.CandidateTokens(all=True),
+        ),
+    )  # fmt: skip
+    assert native_convert.SAMPLING.read(request) == SamplingOptions(
+        temperature=0.5, n=2, top_k=5, top_p=0.5, min_p=0.25, seed=7,
+        presence_penalty=0.5, frequency_penalty=0.25, repetition_penalty=1.5,
+        logit_bias={3: 0.5}, allowed_token_ids=(3, 4),
+        structured_outputs=StructuredOutputs(regex="[a-z]"),
+        max_tokens=9, min_tokens=2, stop_token_ids=(5,), stop=("x",),
+        include_stop_str_in_output=True, ignore_eos=True, skip_special_tokens=False,
+        logprobs=None, logprob_token_ids=(6,), prompt_logprobs=-1,
+    )  # fmt: skip
+    unset = native_convert.SAMPLING.read(npb.GenerateRequest())
+    assert unset == SamplingOptions(
+        temperature=0.0, n=1, min_tokens=0, include_stop_str_in_output=False, ignore_eos=False
+    )
 
 
 def test_the_vllm_adapter_passes_every_sampling_field_to_vllm() -> None:
@@ -258,3 +303,14 @@ def test_the_native_servicer_fields_are_real_fields() -> None:
         part, field = name.split(".")
         message = npb.GenerateRequest.DESCRIPTOR.fields_by_name[part].message_type
         assert field in message.fields_by_name, name
+
+
+def test_a_sampling_table_refuses_names_it_cannot_place() -> None:
+    """A contract's renames and fallbacks must name fields that exist: a typo fails at
+    import, not as a silently unread field."""
+    from vllm_router.core.sampling import SamplingTable
+
+    with pytest.raises(ValueError, match="no part has"):
+        SamplingTable(npb.GenerateRequest.DESCRIPTOR, parts=("sampling",), names={"n": "nope"})
+    with pytest.raises(ValueError, match="SamplingOptions lacks"):
+        SamplingTable(npb.GenerateRequest.DESCRIPTOR, fallbacks={"not_a_field": 1})

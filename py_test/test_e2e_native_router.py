@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Callable
 
 import jsonschema
 import pytest
 
 from harness import Harness, real_engine_idle, wait_until
 from real_engine import MAX_MODEL_LEN
-from routers import CHAT, COMPLETIONS, ask, chat, start_and_drop
+from routers import CHAT, COMPLETIONS, ask, chat, drop_mid_stream
 
 pytestmark = pytest.mark.vllm
 
@@ -111,13 +112,16 @@ async def test_vllm_router_answers_are_identical_through_ours_and_vllm_rs(
 
 
 async def test_client_disconnect_through_vllm_router_leaves_nothing_running(
-    real: Harness, vllm_router_ours: str
+    real: Harness, vllm_router_ours: str, figures: Callable[[str], None]
 ) -> None:
     await wait_until(lambda: real_engine_idle(real), 10.0, "the engine to be idle")
     body = {"model": str(real.model_dir), "stream": True, "ignore_eos": True,
             **chat("Keep going", max_tokens=200, temperature=0)}  # fmt: skip
 
-    await asyncio.to_thread(start_and_drop, vllm_router_ours, CHAT, body)
+    generated = await drop_mid_stream(vllm_router_ours, body, real)
+    # Stopped early: the hang-up reached the engine, which did not run the request out.
+    figures(f"client hung up after 4 lines: the worker generated {generated} of 200 tokens")
+    assert generated < 200 // 2, generated
     await wait_until(lambda: real_engine_idle(real), 10.0, "the engine to abort the request")
     # The router answers its client before it closes its stream to the worker: the table
     # entry goes when that stream does, a moment after the engine is idle.

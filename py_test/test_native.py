@@ -8,6 +8,7 @@ answers once with all of it.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import grpc
 import pytest
@@ -149,6 +150,15 @@ async def test_unary_generate_answers_once(mock: Harness) -> None:
     assert answer.outputs.finish_info.finish_reason == npb.LENGTH
 
 
+async def test_unary_generate_refuses_more_than_one_sequence(mock: Harness) -> None:
+    req = native([10], temperature=0.7, sampling=npb.RandomSampling(num_sequences=2),
+                 stopping=stopping(2))  # fmt: skip
+    err = await _code(inference(mock).Generate(req))
+    assert err == grpc.StatusCode.INVALID_ARGUMENT
+    assert not mock.engine.last_request  # refused before it reached the engine
+    assert len(await _stream(mock, req)) == 5  # served on GenerateStream: 2 x 2 steps
+
+
 async def test_text_prompt_echoed_as_ids(mock: Harness) -> None:
     req = native(text="hi", stopping=stopping(1),
                  response=npb.ResponseOptions(prompt_token_ids=True))  # fmt: skip
@@ -197,6 +207,68 @@ async def test_truncation_keeps_the_last_tokens(mock: Harness) -> None:
     req = native(text="abcd", truncate_prompt_tokens=3, stopping=stopping(1), response=echo)
     text = await _stream(mock, req)
     assert list(text[0].prompt_info.token_ids) == list(b"bcd")
+
+
+def _rejected(harness: Harness, cause: str) -> float:
+    metrics = harness.server.metrics
+    assert metrics is not None
+    value = metrics.registry.get_sample_value("vllm_servicer:rejected_total", {"cause": cause})
+    return value or 0.0
+
+
+@pytest.mark.parametrize(
+    ("response", "keep", "ids"),
+    [(npb.ResponseOptions(prompt_token_ids=True), 0, list(b"abcd")), (None, 3, list(b"bcd"))],
+    ids=["echoed", "truncated"],
+)
+async def test_a_text_prompt_is_tokenized_by_admission(
+    start_mock: StartServer,
+    monkeypatch: pytest.MonkeyPatch,
+    response: npb.ResponseOptions | None,
+    keep: int,
+    ids: list[int],
+) -> None:
+    """A text prompt whose ids the servicer needs first (to echo or truncate them) is
+    tokenized at admission: after the model-kind and serving checks, refusals counted."""
+    harness = await start_mock(ServerConfig(port=0, metrics_port=0))
+    engine = harness.engine
+    tokenized: list[str] = []
+    tokenize = engine.tokenize
+
+    async def counting(text: str) -> list[int]:
+        tokenized.append(text)
+        return await tokenize(text)
+
+    monkeypatch.setattr(engine, "tokenize", counting)
+    req = native(text="abcd", stopping=stopping(1), response=response, truncate_prompt_tokens=keep)
+    messages = await _stream(harness, req)
+    assert tokenized == ["abcd"] and engine.last_request.prompt_token_ids == ids
+    assert messages[0].prompt_info.num_prompt_tokens == len(ids)
+
+    facts = engine.facts
+    monkeypatch.setattr(engine, "_facts", dataclasses.replace(facts, is_generation=False))
+    err = await _stream_error(harness, req)
+    assert err.code() == grpc.StatusCode.FAILED_PRECONDITION and "pooling" in err.details()
+    assert _rejected(harness, "wrong_model_kind") == 1
+    monkeypatch.setattr(engine, "_facts", facts)
+
+    harness.server.requests.start_draining()
+    assert await _code(inference(harness).Generate(req)) == grpc.StatusCode.UNAVAILABLE
+    assert (await _stream_error(harness, req)).code() == grpc.StatusCode.UNAVAILABLE
+    assert _rejected(harness, "not_serving") == 2
+    # A truncation past the context is the request's own fault, found before admission.
+    too_far = native(text="abcd", truncate_prompt_tokens=100_000, response=response)
+    assert (await _stream_error(harness, too_far)).code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert tokenized == ["abcd"]  # every refusal came before tokenizing
+
+
+async def test_preprocessed_media_on_a_multimodal_model_is_unimplemented(
+    start_mock: StartServer,
+) -> None:
+    harness = await start_mock(image_token_id=7)
+    req = native([7], media=[npb.MediaItem(features=npb.PreprocessedMediaFeatures())])
+    err = await _stream_error(harness, req)
+    assert err.code() == grpc.StatusCode.UNIMPLEMENTED and "features" in err.details()
 
 
 async def test_dp_rank_from_metadata(start_mock: StartServer) -> None:
@@ -260,9 +332,10 @@ async def test_dp_rank_from_metadata(start_mock: StartServer) -> None:
             "ec_transfer_params",
         ),
         (
+            # As vllm-rs: media for a text-only model is the client's mistake.
             native([10], media=[npb.MediaItem(features=npb.PreprocessedMediaFeatures())]),
-            grpc.StatusCode.UNIMPLEMENTED,
-            "features",
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "multimodal input is not supported",
         ),
         (native([10], media=[npb.MediaItem()]), grpc.StatusCode.INVALID_ARGUMENT, "media[0]"),
         (
@@ -270,7 +343,7 @@ async def test_dp_rank_from_metadata(start_mock: StartServer) -> None:
             grpc.StatusCode.INVALID_ARGUMENT,
             "token_ids prompt",
         ),
-        (native([10], lora_name="x"), grpc.StatusCode.UNIMPLEMENTED, "LoRA"),
+        (native([10], lora_name="x"), grpc.StatusCode.FAILED_PRECONDITION, "--enable-lora"),
         (native([10], request_id="r" * 300), grpc.StatusCode.INVALID_ARGUMENT, "request_id"),
     ],
     ids=lambda v: v if isinstance(v, str) else None,
@@ -282,6 +355,39 @@ async def test_bad_input_has_a_clear_status(
     assert err.code() == code, err.details()
     assert words in (err.details() or ""), err.details()
     assert not mock.server.requests.in_flight
+
+
+@pytest.mark.parametrize(
+    "req",
+    [
+        native([]),
+        native([10] * 5000),
+        native([10], temperature=-1),
+        native([10], stopping=npb.StoppingCriteria(max_new_tokens=2, min_new_tokens=5)),
+        native(text="hi", media=[npb.MediaItem(data_uri="data:,x")]),
+        native([10], media=[npb.MediaItem(features=npb.PreprocessedMediaFeatures())]),
+    ],
+    ids=[
+        "empty prompt",
+        "prompt over the context",
+        "temperature",
+        "min over max",
+        "media on a text prompt",
+        "preprocessed media on a text-only model",
+    ],
+)
+async def test_a_lora_without_lora_is_named_before_the_rest(
+    mock: Harness, req: npb.GenerateRequest
+) -> None:
+    """As vllm-rs: a request naming a LoRA on a worker without LoRA is FAILED_PRECONDITION,
+    whatever else is wrong with its prompt, sampling values or media."""
+    req.lora_name = "adapter"
+    with pytest.raises(grpc.aio.AioRpcError) as unary:
+        await inference(mock).Generate(req)
+    for err in (unary.value, await _stream_error(mock, req)):
+        assert err.code() == grpc.StatusCode.FAILED_PRECONDITION, err.details()
+        assert "--enable-lora" in (err.details() or "")
+    assert mock.engine.last_request is None
 
 
 async def test_abort_and_dropped_streams_leave_nothing_running(start_mock: StartServer) -> None:
@@ -367,6 +473,11 @@ async def test_control_what_is_not_served_says_why(mock: Harness) -> None:
         (ctl.LoadLora(npb.LoadLoraRequest(lora_name="a")), grpc.StatusCode.INVALID_ARGUMENT),
         (ctl.Sleep(npb.SleepRequest()), grpc.StatusCode.FAILED_PRECONDITION),
         (ctl.Sleep(npb.SleepRequest(level=3)), grpc.StatusCode.INVALID_ARGUMENT),
+        (ctl.Sleep(npb.SleepRequest(mode=9)), grpc.StatusCode.INVALID_ARGUMENT),  # type: ignore[arg-type]
+        (
+            ctl.PauseGeneration(npb.PauseGenerationRequest(mode=9)),  # type: ignore[arg-type]
+            grpc.StatusCode.INVALID_ARGUMENT,
+        ),
         (ctl.Shutdown(npb.ShutdownRequest()), grpc.StatusCode.FAILED_PRECONDITION),
         (ctl.UpdateWeights(npb.UpdateWeightsRequest()), grpc.StatusCode.FAILED_PRECONDITION),
         (

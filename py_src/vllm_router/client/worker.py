@@ -6,14 +6,15 @@
 
 Failures surface as `client.errors.WorkerError` subclasses carrying the gRPC status.
 Text prompts are tokenized here with the worker's own tokenizer (fetched once through
-GetTokenizer, cached on disk by its digest); workers without tokenizer files (the
-mock) get the text and tokenize it themselves.
+GetTokenizer, cached on disk by its digest, loaded without transformers: see
+client.tokenizer); workers without tokenizer files (the mock) get the text and tokenize
+it themselves.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -26,7 +27,7 @@ from ..proto import vllm_engine_pb2 as pb
 from ..proto import vllm_engine_pb2_grpc as pb_grpc
 from .batch import BatchStream
 from .errors import UnsupportedError, from_rpc_error
-from .tokenizer import cached_tokenizer, fetch_files, load_tokenizer
+from .tokenizer import ClientTokenizer, cached_tokenizer, fetch_files, load_tokenizer
 
 Reply = TypeVar("Reply")
 
@@ -90,7 +91,7 @@ class WorkerClient:
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
         self._timeout = timeout
-        self._tokenizer: Any = None
+        self._tokenizer: ClientTokenizer | None = None
         self._tokenizer_sha256: str | None = None
         self.target = target
 
@@ -152,8 +153,8 @@ class WorkerClient:
 
     # -- tokens -----------------------------------------------------------------------------------
 
-    async def tokenizer(self) -> Any:
-        """The worker's tokenizer (Hugging Face), from the disk cache or fetched once."""
+    async def tokenizer(self) -> ClientTokenizer:
+        """The worker's tokenizer (as its vLLM tokenizes), from the disk cache or fetched once."""
         if self._tokenizer is None:
             digest = await self._tokenizer_digest()
             if not digest:
@@ -177,19 +178,18 @@ class WorkerClient:
 
     async def tokenize(self, text: str) -> list[int]:
         """Token ids as the worker would make them (special tokens added, as vLLM does)."""
-        return list((await self.tokenizer()).encode(text))
+        return (await self.tokenizer()).encode(text)
 
-    async def chat_prompt(self, messages: Sequence[dict[str, str]]) -> list[int]:
+    async def chat_prompt(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
         """Token ids of a chat rendered with the model's own chat template (as a router
         renders it), ending with the assistant's turn."""
         tokenizer = await self.tokenizer()
-        if not getattr(tokenizer, "chat_template", None):
+        if not tokenizer.chat_template:
             raise UnsupportedError(grpc.StatusCode.UNIMPLEMENTED, "the model has no chat template")
-        rendered = tokenizer.apply_chat_template(
-            list(messages), add_generation_prompt=True, tokenize=False
-        )
-        # The template writes the special tokens itself.
-        return list(tokenizer.encode(rendered, add_special_tokens=False))
+        rendered = tokenizer.render_chat(messages, add_generation_prompt=True)
+        # The template writes the special tokens itself (apply_chat_template's tokenize=True
+        # encodes with add_special_tokens=False too, as vLLM does).
+        return tokenizer.encode(rendered, add_special_tokens=False)
 
     async def encode_prompt(self, prompt: str | Sequence[int]) -> str | list[int]:
         """The prompt as the worker should get it: token ids, or the text itself when the

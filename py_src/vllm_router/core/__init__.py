@@ -18,6 +18,7 @@ from .servicer import (
     Malformed,
     ServingCore,
     abort_with,
+    errors_mapped,
     failure_status,
     handles_errors,
 )
@@ -33,6 +34,7 @@ __all__ = [
     "ServingState",
     "ServingStatus",
     "abort_with",
+    "errors_mapped",
     "failure_status",
     "handles_errors",
 ]

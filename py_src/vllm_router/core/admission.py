@@ -4,7 +4,9 @@ The model kind (generation or pooling), the serving state (not draining, engine 
 the prompt (text tokenized the engine's way, then checked against the context window and
 --max-prompt-tokens) and its media (checked and fetched last, so a request refused for its
 prompt costs no download). Every refusal is counted by cause (`counted`), as the request
-table's own refusals (duplicate id, a full worker) are.
+table's own refusals (duplicate id, a full worker) are. A contract that needs a text
+prompt's ids before the request runs (to echo or truncate them) asks `tokenized`: the
+same checks, in the same order, up to the tokenization.
 """
 
 from __future__ import annotations
@@ -50,12 +52,28 @@ class Admission:
     async def generation(self, request: GenerationRequest) -> GenerationRequest:
         """`request` as the engine takes it (prompt token ids set), or why it may not run."""
         async with self.counted():
-            if not self._engine.facts.is_generation:
-                raise NotConfigured(
-                    "this worker serves a pooling (embedding) model: use Embed, not generation"
-                )
-            await self._state.require_serving()
+            await self._may_generate()
             return await self._checked_prompt(request)
+
+    async def tokenized(self, request: GenerationRequest) -> GenerationRequest:
+        """`request` with a text prompt tokenized the engine's way (its ids replace the
+        text; the prompt checks are `generation`'s), or why it may not run."""
+        async with self.counted():
+            await self._may_generate()
+            if request.prompt_token_ids is not None:
+                return request
+            return await self._with_ids(request)
+
+    async def _may_generate(self) -> None:
+        if not self._engine.facts.is_generation:
+            raise NotConfigured(
+                "this worker serves a pooling (embedding) model: use Embed, not generation"
+            )
+        await self._state.require_serving()
+
+    async def _with_ids(self, request: GenerationRequest) -> GenerationRequest:
+        ids = await self._engine.tokenize(request.prompt_text or "")
+        return dataclasses.replace(request, prompt_token_ids=ids, prompt_text=None)
 
     async def embedding(self, prompt_token_ids: list[int]) -> None:
         """Raise why an embedding of `prompt_token_ids` may not run, if it may not."""
@@ -75,8 +93,7 @@ class Admission:
 
     async def _checked_prompt(self, request: GenerationRequest) -> GenerationRequest:
         if request.prompt_token_ids is None:
-            ids = await self._engine.tokenize(request.prompt_text or "")
-            request = dataclasses.replace(request, prompt_token_ids=ids, prompt_text=None)
+            request = await self._with_ids(request)
             field_name = "prompt_text (tokenized)"
         else:
             field_name = request.prompt_field

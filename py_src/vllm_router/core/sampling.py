@@ -4,7 +4,9 @@ A contract's sampling message is read field by field by name: every `SamplingOpt
 field with a same-named proto field is converted by the same rule (repeated -> tuple,
 map -> dict or None, a field with presence -> its value or None when unset, a plain
 proto3 scalar -> its value). A contract declares only what differs: fields it converts
-itself (`special`) and the value that stands for an unset or zero field (`fallbacks`).
+itself (`special`), the value that stands for an unset or zero field (`fallbacks`), its
+own name for a field where it differs (`names`), and, for a request that spreads its
+sampling over several sub-messages (vLLM's native contract), which ones (`parts`).
 `covered` is what the table reads, so a test can require every proto field to be read
 or refused: a field added to either proto cannot be silently ignored.
 """
@@ -12,7 +14,7 @@ or refused: a field added to either proto cannot be silently ignored.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
@@ -21,6 +23,7 @@ from google.protobuf.message import Message
 from ..engine import SamplingOptions
 
 _REPEATED, _MAP, _PRESENCE, _PLAIN = range(4)
+_OPTIONS = tuple(f.name for f in dataclasses.fields(SamplingOptions))
 
 
 def _kind(field: FieldDescriptor) -> int:
@@ -29,6 +32,10 @@ def _kind(field: FieldDescriptor) -> int:
     if field.is_repeated:
         return _REPEATED
     return _PRESENCE if field.has_presence else _PLAIN
+
+
+def _qualified(part: str, name: str) -> str:
+    return f"{part}.{name}" if part else name
 
 
 class SamplingTable:
@@ -40,32 +47,53 @@ class SamplingTable:
         *,
         special: Mapping[str, Callable[[Any], Any]] | None = None,
         fallbacks: Mapping[str, Any] | None = None,
+        names: Mapping[str, str] | None = None,
+        parts: Iterable[str] = (),
     ) -> None:
+        """`special`, `fallbacks` and `names` are keyed by SamplingOptions field; `names`
+        gives the proto's name for a field where it is not the same; `parts` names
+        sub-messages of `descriptor` whose fields are read as its own ("" is the message)."""
         self._special = dict(special or {})
         self._fallbacks = dict(fallbacks or {})
-        proto_fields = descriptor.fields_by_name
-        self._fields = tuple(
-            (f.name, _kind(proto_fields[f.name]))
-            for f in dataclasses.fields(SamplingOptions)
-            if f.name in proto_fields and f.name not in self._special
-        )
-        unknown = set(self._special) - {f.name for f in dataclasses.fields(SamplingOptions)}
+        names = dict(names or {})
+        unknown = (self._special.keys() | self._fallbacks.keys() | names.keys()) - set(_OPTIONS)
         if unknown:
-            raise ValueError(f"special converters for fields SamplingOptions lacks: {unknown}")
+            raise ValueError(f"fields SamplingOptions lacks: {sorted(unknown)}")
+        messages = {"": descriptor}
+        messages.update({p: descriptor.fields_by_name[p].message_type for p in parts})
+        # (SamplingOptions field, sub-message ("" the message itself), proto field, kind)
+        fields: list[tuple[str, str, str, int]] = []
+        for option in _OPTIONS:
+            proto_name = names.get(option, option)
+            found = [(p, m.fields_by_name[proto_name]) for p, m in messages.items()
+                     if proto_name in m.fields_by_name]  # fmt: skip
+            if len(found) > 1:
+                raise ValueError(f"{proto_name} is in more than one part: {found}")
+            if option in self._special:
+                continue
+            if found:
+                (part, field), = found  # fmt: skip
+                fields.append((option, part, proto_name, _kind(field)))
+            elif option in names:
+                raise ValueError(f"names {option} as {proto_name}, which no part has")
+        self._fields = tuple(fields)
         # Proto fields this table reads, itself or through a same-named special converter.
-        self.covered = frozenset(name for name, _ in self._fields) | (
-            self._special.keys() & proto_fields.keys()
-        )
+        self.covered = frozenset(_qualified(part, name) for _, part, name, _ in fields) | {
+            _qualified(p, name)
+            for p, m in messages.items()
+            for name in self._special.keys() & m.fields_by_name.keys()
+        }
 
     def read(self, params: Message) -> SamplingOptions:
         values: dict[str, Any] = {}
-        for name, kind in self._fields:
-            value: Any = getattr(params, name)
+        for name, part, proto_name, kind in self._fields:
+            message = getattr(params, part) if part else params
+            value: Any = getattr(message, proto_name)
             if kind == _REPEATED:
                 value = tuple(value)
             elif kind == _MAP:
                 value = dict(value) or None
-            elif kind == _PRESENCE and not params.HasField(name):
+            elif kind == _PRESENCE and not message.HasField(proto_name):
                 value = None
             if name in self._fallbacks and (value is None or (kind == _PLAIN and not value)):
                 value = self._fallbacks[name]

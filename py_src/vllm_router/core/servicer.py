@@ -94,6 +94,12 @@ class ContractServicer:
         self._requests = core.requests
         self._state = core.state
 
+    @functools.cached_property
+    def _eos(self) -> frozenset[int]:
+        """The model's EOS ids: what tells a request that stopped at EOS from one that
+        stopped at a stop token id, in the contracts that report which."""
+        return frozenset(self._engine.facts.eos_token_ids)
+
 
 async def _failed(servicer: ContractServicer, context: Any, exc: Exception) -> NoReturn:
     await context.abort(*await failure_status(servicer._state, exc))
@@ -146,6 +152,16 @@ async def _answered(
         _count(servicer, method, outcome.code, context)
 
 
+# Set on every handler `handles_errors` wraps, so that a structure test can prove every RPC
+# of every registered servicer wears it (the interceptors rely on it: they map nothing).
+_MAPPED = "__vllm_servicer_errors_mapped__"
+
+
+def errors_mapped(handler: object) -> bool:
+    """Whether `handler` is wrapped by `handles_errors`."""
+    return getattr(handler, _MAPPED, False) is True
+
+
 def handles_errors(handler: Handler) -> Handler:
     """Map what a unary or server-streaming handler raises to its gRPC status, and
     count the finished RPC by method and status code (`vllm_servicer:requests_total`).
@@ -165,6 +181,7 @@ def handles_errors(handler: Handler) -> Handler:
                 async for message in messages:
                     yield message
 
+        setattr(stream, _MAPPED, True)
         return stream  # type: ignore[return-value]
 
     unary_handler: Callable[..., Awaitable[Any]] = handler
@@ -174,6 +191,7 @@ def handles_errors(handler: Handler) -> Handler:
         async with _answered(self, method, request, context):
             return await unary_handler(self, request, context)
 
+    setattr(unary, _MAPPED, True)
     return unary  # type: ignore[return-value]
 
 

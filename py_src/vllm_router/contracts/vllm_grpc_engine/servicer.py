@@ -7,7 +7,6 @@ are mapped by `core.handles_errors` as for every contract.
 
 from __future__ import annotations
 
-import functools
 import itertools
 from collections.abc import AsyncIterator, Callable
 from typing import TypeAlias
@@ -30,10 +29,6 @@ Context: TypeAlias = grpc.aio.ServicerContext
 
 class VllmGrpcServicer(ContractServicer, vpb_grpc.VllmEngineServicer):
     service_label = SERVICE_NAME
-
-    @functools.cached_property
-    def _eos(self) -> frozenset[int]:
-        return frozenset(self._engine.facts.eos_token_ids)
 
     @handles_errors
     async def Generate(

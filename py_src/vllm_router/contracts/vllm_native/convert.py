@@ -1,4 +1,4 @@
-"""vllm.Inference requests -> the neutral engine types (pure functions).
+"""vllm.Inference / vllm.Control requests -> the neutral engine types (pure functions).
 
 Semantics follow vllm-rs, the server this contract comes from: an unset temperature is
 greedy (0.0; vllm-router always sends one), a zero elsewhere means "unset" and takes the
@@ -7,7 +7,11 @@ one past the context) generates until the context is full (the router sends 0 wh
 client set no maximum), text is produced unless `response.output_text` is false,
 logprobs only with `response.output_logprobs` (its candidates saying how many
 alternatives), and the data-parallel rank comes from the `x-data-parallel-rank` call
-metadata. One difference is kept: `num_sequences` > 1 is served (vllm-rs refuses it).
+metadata. Checks run in vllm-rs's order where a request is wrong twice: the request's own
+fields, then its LoRA (`lora_name` on a worker without LoRA is FAILED_PRECONDITION), then
+its media, then (at admission) its prompt and sampling values. One difference is kept:
+`num_sequences` > 1 is served on GenerateStream (vllm-rs refuses it). Sampling is read
+through the core's table (`SAMPLING`), as on every contract.
 """
 
 from __future__ import annotations
@@ -19,11 +23,13 @@ from typing import Any
 from google.protobuf import json_format
 
 from ...core.request_fields import checked_dp_rank, checked_request_id
-from ...engine import GenerationRequest, MediaItem, ModelFacts, SamplingOptions, StructuredOutputs
-from ...errors import InvalidRequest, NotFound, Unsupported
+from ...core.sampling import SamplingTable
+from ...engine import GenerationRequest, MediaItem, ModelFacts, PauseMode, StructuredOutputs
+from ...errors import InvalidRequest, NotConfigured, NotFound, Unsupported
 from ...proto import vllm_native_pb2 as npb
 
 DP_RANK_KEY = "x-data-parallel-rank"
+NO_LORA = "LoRA is not enabled on this worker (start the engine with --enable-lora)"
 
 # DecodingParameters' structured_output member -> StructuredOutputs field.
 _CONSTRAINTS = {
@@ -62,18 +68,15 @@ def _refuse_unserved(request: npb.GenerateRequest) -> None:
             "decoding.bad_words_token_ids is not served: vLLM's AsyncLLM takes bad words as "
             "text only"
         )
-    if request.media and request.truncate_prompt_tokens:
-        raise InvalidRequest("truncate_prompt_tokens is not supported for multimodal requests")
-    if request.media and request.WhichOneof("prompt") == "text":
-        raise InvalidRequest(
-            "media needs a token_ids prompt (with one placeholder per item, as the model's "
-            "chat template writes it)"
-        )
     if request.kv.HasField("ec_transfer_params"):
         raise Unsupported("kv.ec_transfer_params is set: no encoder-cache connector runs here")
 
 
-def _structured_outputs(decoding: npb.DecodingParameters) -> StructuredOutputs | None:
+# -- sampling ---------------------------------------------------------------------------------
+
+
+def _structured_outputs(request: npb.GenerateRequest) -> StructuredOutputs | None:
+    decoding = request.decoding
     member = decoding.WhichOneof("structured_output")
     if member is None:
         return None
@@ -103,50 +106,65 @@ def _scores(
     return 0, ()
 
 
-def _zero_unset(value: float) -> float | None:
-    return value or None
-
-
-def sampling_options(request: npb.GenerateRequest) -> SamplingOptions:
-    """The request's sampling, decoding, stopping and response fields as SamplingOptions."""
-    sampling, decoding, stopping, response = (
-        request.sampling, request.decoding, request.stopping, request.response,
-    )  # fmt: skip
+def _output_scores(request: npb.GenerateRequest) -> tuple[int | None, tuple[int, ...]]:
+    response = request.response
     output = response.output_candidates if response.HasField("output_candidates") else None
-    logprobs, by_id = _scores(response.output_logprobs, output)
+    return _scores(response.output_logprobs, output)
+
+
+def _prompt_logprobs(request: npb.GenerateRequest) -> int | None:
+    response = request.response
     prompt = response.prompt_candidates if response.HasField("prompt_candidates") else None
-    prompt_logprobs, prompt_ids = _scores(response.prompt_logprobs, prompt)
-    if prompt_ids:
+    logprobs, by_id = _scores(response.prompt_logprobs, prompt)
+    if by_id:
         raise InvalidRequest(
             "response.prompt_candidates.token_ids is not supported: vLLM scores prompt "
             "tokens by rank only (use top_n or all)"
         )
-    return SamplingOptions(
-        temperature=request.temperature if request.HasField("temperature") else 0.0,
-        n=sampling.num_sequences or 1,
-        top_k=sampling.top_k or None,
-        top_p=_zero_unset(sampling.top_p),
-        min_p=_zero_unset(sampling.min_p),
-        seed=sampling.seed if sampling.HasField("seed") else None,
-        presence_penalty=_zero_unset(decoding.presence_penalty),
-        frequency_penalty=_zero_unset(decoding.frequency_penalty),
-        repetition_penalty=_zero_unset(decoding.repetition_penalty),
-        logit_bias=dict(decoding.logit_bias) or None,
-        allowed_token_ids=tuple(decoding.allowed_token_ids),
-        structured_outputs=_structured_outputs(decoding),
-        max_tokens=stopping.max_new_tokens or None,
-        min_tokens=stopping.min_new_tokens,
-        stop_token_ids=tuple(stopping.stop_token_ids),
-        stop=tuple(stopping.stop_strings),
-        include_stop_str_in_output=stopping.include_stop_strings,
-        ignore_eos=stopping.ignore_eos,
-        skip_special_tokens=(
-            response.skip_special_tokens if response.HasField("skip_special_tokens") else None
-        ),
-        logprobs=logprobs,
-        logprob_token_ids=by_id,
-        prompt_logprobs=prompt_logprobs,
-    )
+    return logprobs
+
+
+# A zero in these is unset (None): the model's generation-config default, else vLLM's.
+_ZERO_IS_UNSET = ("top_k", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                  "repetition_penalty", "max_tokens")  # fmt: skip
+SAMPLING = SamplingTable(
+    npb.GenerateRequest.DESCRIPTOR,
+    parts=("sampling", "decoding", "stopping", "response"),
+    names={
+        "n": "num_sequences",
+        "max_tokens": "max_new_tokens",
+        "min_tokens": "min_new_tokens",
+        "stop": "stop_strings",
+        "include_stop_str_in_output": "include_stop_strings",
+    },
+    # Run in this order: a request wrong in both is told about its prompt candidates first.
+    special={
+        "prompt_logprobs": _prompt_logprobs,
+        "logprobs": lambda request: _output_scores(request)[0],
+        "logprob_token_ids": lambda request: _output_scores(request)[1],
+        "structured_outputs": _structured_outputs,
+    },
+    # As vllm-rs: an unset temperature is greedy, num_sequences 0 is one sequence.
+    fallbacks={"temperature": 0.0, "n": 1, **dict.fromkeys(_ZERO_IS_UNSET)},
+)
+# Fields of the sampling parts read outside the table: by its special converters (the
+# logprobs and the structured-output constraint), refused, or by the servicer.
+HANDLED_ELSEWHERE = frozenset(
+    {
+        *(f"decoding.{member}" for member in _CONSTRAINTS),
+        "decoding.bad_words_token_ids",  # refused
+        "stopping.thinking_token_budget",  # refused
+        "response.prompt_candidates",
+        "response.output_logprobs",
+        "response.output_candidates",
+        "response.output_text",  # GenerationRequest.detokenize
+        "response.output_token_ids",  # the servicer's (Wanted)
+        "response.prompt_token_ids",  # the servicer's (Wanted)
+    }
+)
+
+
+# -- the request --------------------------------------------------------------------------------
 
 
 def dp_rank(metadata: Sequence[tuple[str, str | bytes]] | None, facts: ModelFacts) -> int | None:
@@ -164,7 +182,17 @@ def dp_rank(metadata: Sequence[tuple[str, str | bytes]] | None, facts: ModelFact
     return None
 
 
-def _media(items: Sequence[npb.MediaItem]) -> dict[str, Any]:
+def _media(request: npb.GenerateRequest, facts: ModelFacts) -> dict[str, Any]:
+    items = request.media
+    if not items:
+        return {}
+    if request.truncate_prompt_tokens:
+        raise InvalidRequest("truncate_prompt_tokens is not supported for multimodal requests")
+    if request.WhichOneof("prompt") == "text":
+        raise InvalidRequest(
+            "media needs a token_ids prompt (with one placeholder per item, as the model's "
+            "chat template writes it)"
+        )
     media = []
     for i, item in enumerate(items):
         modality = _MODALITIES.get(item.modality or npb.MODALITY_IMAGE)
@@ -172,6 +200,12 @@ def _media(items: Sequence[npb.MediaItem]) -> dict[str, Any]:
             raise InvalidRequest(f"media[{i}].modality {item.modality} is not a known modality")
         source = item.WhichOneof("source")
         if source == "features":
+            if not facts.media_limits:
+                # As vllm-rs: media for a text-only model is the client's mistake.
+                raise InvalidRequest(
+                    f"media[{i}].features: multimodal input is not supported: this worker's "
+                    "model is text-only"
+                )
             raise Unsupported(
                 f"media[{i}].features (preprocessed media) is not served: send the encoded "
                 "bytes or a URL, this worker runs the model's processor itself"
@@ -189,7 +223,7 @@ def _media(items: Sequence[npb.MediaItem]) -> dict[str, Any]:
                 uuid=item.uuid or None,
             )
         )
-    return {"media": tuple(media), "media_field": "media"} if media else {}
+    return {"media": tuple(media), "media_field": "media"}
 
 
 def _checked_model(model: str, facts: ModelFacts) -> None:
@@ -197,6 +231,13 @@ def _checked_model(model: str, facts: ModelFacts) -> None:
         raise NotFound(
             f"model {model!r} is not served by this worker (it serves {facts.served_model_name!r})"
         )
+
+
+def _checked_lora(lora_name: str, facts: ModelFacts) -> str | None:
+    """The adapter a request names (None: the base model), on a worker with LoRA."""
+    if lora_name and not facts.supports_lora:
+        raise NotConfigured(NO_LORA)
+    return lora_name or None
 
 
 def kv_transfer_params(kv: npb.KVCacheParameters) -> Mapping[str, Any] | None:
@@ -210,12 +251,15 @@ def to_generation_request(
     facts: ModelFacts,
     metadata: Sequence[tuple[str, str | bytes]] | None,
     trace: Mapping[str, str] | None,
+    *,
+    unary: bool = False,
 ) -> GenerationRequest:
-    """The request as the engine takes it; a text prompt stays text (the serving core
-    tokenizes it) unless `with_prompt_ids` gives its ids first."""
+    """The request as the engine takes it. A text prompt stays text: admission tokenizes
+    it (`needs_prompt_ids` says when the servicer needs its ids first, `with_prompt_ids`
+    truncates them). `unary`: for Generate, which answers one sequence."""
     _checked_model(request.model, facts)
     _refuse_unserved(request)
-    sampling = sampling_options(request)
+    sampling = SAMPLING.read(request)
     prompt = request.WhichOneof("prompt")
     if prompt is None:
         raise InvalidRequest("prompt is required: set token_ids or text")
@@ -225,17 +269,25 @@ def to_generation_request(
         text = request.text
         if not text:
             raise InvalidRequest("text is empty: the prompt needs at least one token")
+        _check_truncation(request, facts)
     else:
         ids = truncated(list(request.token_ids.ids), request, facts)
-    response = request.response
+    request_id = checked_request_id(request.request_id)
+    rank = dp_rank(metadata, facts)
+    if unary and (sampling.n or 1) > 1:
+        raise InvalidRequest(
+            "Generate answers one sequence (its response has one `outputs`): use "
+            "GenerateStream for sampling.num_sequences > 1"
+        )
+    lora_name = _checked_lora(request.lora_name, facts)
     return GenerationRequest(
-        request_id=checked_request_id(request.request_id),
+        request_id=request_id,
         prompt_token_ids=ids,
         prompt_text=text,
         sampling=sampling,
-        dp_rank=dp_rank(metadata, facts),
-        detokenize=output_text(response),
-        lora_name=request.lora_name or None,
+        dp_rank=rank,
+        detokenize=output_text(request.response),
+        lora_name=lora_name,
         priority=request.priority,
         trace_headers=trace,
         kv_transfer_params=kv_transfer_params(request.kv),
@@ -244,8 +296,17 @@ def to_generation_request(
         cache_salt=request.kv.cache_salt or None,
         skip_prefix_cache=request.kv.bypass_prefix_cache,
         session_id=request.session_id or None,
-        **_media(request.media),
+        **_media(request, facts),
     )
+
+
+def _check_truncation(request: npb.GenerateRequest, facts: ModelFacts) -> None:
+    keep = request.truncate_prompt_tokens
+    if keep > facts.max_model_len:
+        raise InvalidRequest(
+            f"truncate_prompt_tokens={keep} cannot be greater than max_model_len "
+            f"{facts.max_model_len}"
+        )
 
 
 def truncated(ids: list[int], request: npb.GenerateRequest, facts: ModelFacts) -> list[int]:
@@ -253,11 +314,7 @@ def truncated(ids: list[int], request: npb.GenerateRequest, facts: ModelFacts) -
     keep = request.truncate_prompt_tokens
     if not keep:
         return ids
-    if keep > facts.max_model_len:
-        raise InvalidRequest(
-            f"truncate_prompt_tokens={keep} cannot be greater than max_model_len "
-            f"{facts.max_model_len}"
-        )
+    _check_truncation(request, facts)
     return ids[-keep:]
 
 
@@ -266,9 +323,51 @@ def output_text(response: npb.ResponseOptions) -> bool:
     return response.output_text if response.HasField("output_text") else True
 
 
+def needs_prompt_ids(generation: GenerationRequest, request: npb.GenerateRequest) -> bool:
+    """Whether the servicer needs a text prompt's ids before the request runs: to echo
+    them (`response.prompt_token_ids`) or to truncate them (`truncate_prompt_tokens`)."""
+    return generation.prompt_text is not None and bool(
+        request.response.prompt_token_ids or request.truncate_prompt_tokens
+    )
+
+
 def with_prompt_ids(
-    generation: GenerationRequest, ids: list[int], request: npb.GenerateRequest, facts: ModelFacts
+    tokenized: GenerationRequest, request: npb.GenerateRequest, facts: ModelFacts
 ) -> GenerationRequest:
-    """A text prompt's ids (tokenized by the engine), truncated as token_ids would be."""
-    ids = truncated(ids, request, facts)
-    return dataclasses.replace(generation, prompt_token_ids=ids, prompt_text=None)
+    """A tokenized text prompt (`Admission.tokenized`), truncated as token_ids would be."""
+    if not request.truncate_prompt_tokens:
+        return tokenized
+    ids = truncated(tokenized.prompt_token_ids or [], request, facts)
+    return dataclasses.replace(tokenized, prompt_token_ids=ids)
+
+
+# -- Control ----------------------------------------------------------------------------------
+
+_PAUSE_MODES: dict[int, PauseMode] = {
+    npb.PAUSE_MODE_UNSPECIFIED: "abort",
+    npb.PAUSE_MODE_ABORT: "abort",
+    npb.PAUSE_MODE_WAIT: "wait",
+    npb.PAUSE_MODE_KEEP: "keep",
+}
+
+
+def pause_mode(mode: int) -> PauseMode:
+    """A PauseMode value (unspecified: abort, as vllm-rs)."""
+    found = _PAUSE_MODES.get(mode)
+    if found is None:
+        raise InvalidRequest(f"mode {mode} is not a PauseMode")
+    return found
+
+
+def pause(request: npb.PauseGenerationRequest) -> tuple[PauseMode, bool]:
+    """(mode, clear_cache): clear_cache defaults to true."""
+    clear_cache = request.clear_cache if request.HasField("clear_cache") else True
+    return pause_mode(request.mode), clear_cache
+
+
+def sleep(request: npb.SleepRequest) -> tuple[int, PauseMode]:
+    """(level, mode): level 1 (the default) or 2."""
+    level = request.level if request.HasField("level") else 1
+    if level not in (1, 2):
+        raise InvalidRequest(f"level must be 1 or 2, got {level}")
+    return level, pause_mode(request.mode)

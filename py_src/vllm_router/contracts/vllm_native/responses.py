@@ -9,6 +9,7 @@ from typing import Any
 
 from google.protobuf import json_format, struct_pb2
 
+from ...core.accumulate import RequestResult
 from ...engine import EngineStep, KvEventSource, LoraAdapter, ModelFacts, TokenLogprob
 from ...errors import RequestFailed
 from ...proto import vllm_native_pb2 as npb
@@ -118,6 +119,37 @@ def sequence_output(
     if step.finished:
         output.finish_info.CopyFrom(finish_info(step, eos_ids))
     return npb.GenerateResponse(outputs=output)
+
+
+def whole_answer(
+    result: RequestResult,
+    prompt_ids: list[int] | None,
+    wanted: Wanted,
+    eos_ids: frozenset[int],
+) -> npb.GenerateResponse:
+    """Generate's one message: what a stream spreads over several (the prompt's facts, every
+    token, the finish), as vllm-rs answers it. `result` holds one sequence (Generate
+    refuses more: see convert)."""
+    (_, sample), = result.in_order()  # fmt: skip
+    last = sample.last
+    assert last is not None
+    whole = EngineStep(
+        token_ids=sample.token_ids,
+        text=sample.output_text,
+        finished=True,
+        finish_reason=last.finish_reason,
+        stop_reason=last.stop_reason,
+        prompt_tokens=last.prompt_tokens,
+        completion_tokens=last.completion_tokens,
+        cached_tokens=last.cached_tokens,
+        logprobs=sample.logprobs,
+        kv_transfer_params=last.kv_transfer_params,
+        error=last.error,
+        prompt_logprobs=result.prompt_logprobs,
+    )
+    answer = sequence_output(whole, wanted, eos_ids)
+    answer.prompt_info.CopyFrom(prompt_info(whole, prompt_ids, wanted).prompt_info)
+    return answer
 
 
 def fill_scores(

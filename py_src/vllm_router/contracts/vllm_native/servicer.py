@@ -18,7 +18,7 @@ import grpc
 from ...core import ContractServicer, handles_errors
 from ...core.accumulate import RequestResult
 from ...core.request_fields import trace_headers
-from ...engine import EngineStep, GenerationRequest, LoraAdapter, PauseMode
+from ...engine import EngineStep, GenerationRequest, LoraAdapter
 from ...errors import InvalidRequest, NotConfigured, NotFound, Unsupported
 from ...proto import vllm_native_pb2 as npb
 from ...proto import vllm_native_pb2_grpc as npb_grpc
@@ -29,46 +29,32 @@ INFERENCE_SERVICE = npb.DESCRIPTOR.services_by_name["Inference"].full_name
 CONTROL_SERVICE = npb.DESCRIPTOR.services_by_name["Control"].full_name
 Context: TypeAlias = grpc.aio.ServicerContext
 
-_PAUSE_MODES: dict[int, PauseMode] = {
-    npb.PAUSE_MODE_UNSPECIFIED: "abort",
-    npb.PAUSE_MODE_ABORT: "abort",
-    npb.PAUSE_MODE_WAIT: "wait",
-    npb.PAUSE_MODE_KEEP: "keep",
-}
 NO_WEIGHT_TRANSFER = "weight transfer is not configured; start vLLM with --weight-transfer-config"
-NO_LORA = "LoRA is not enabled on this worker (start the engine with --enable-lora)"
 
 
 class NativeInferenceServicer(ContractServicer, npb_grpc.InferenceServicer):
     service_label = INFERENCE_SERVICE
 
-    @functools.cached_property
-    def _eos(self) -> frozenset[int]:
-        return frozenset(self._engine.facts.eos_token_ids)
-
     async def _generation(
-        self, request: npb.GenerateRequest, context: Context
-    ) -> tuple[GenerationRequest, Wanted]:
+        self, request: npb.GenerateRequest, context: Context, *, unary: bool = False
+    ) -> GenerationRequest:
         metadata = context.invocation_metadata()
+        facts = self._engine.facts
         generation = convert.to_generation_request(
-            request, self._engine.facts, metadata, trace_headers(metadata)
+            request, facts, metadata, trace_headers(metadata), unary=unary
         )
-        wanted = Wanted.of(request.response)
-        text = generation.prompt_text
-        if text is not None and (wanted.prompt_token_ids or request.truncate_prompt_tokens):
-            # The echo and the truncation need a text prompt's ids: tokenized here, as the
-            # serving core would.
-            await self._state.require_serving()
-            ids = await self._engine.tokenize(text)
-            generation = convert.with_prompt_ids(generation, ids, request, self._engine.facts)
-        return generation, wanted
+        if convert.needs_prompt_ids(generation, request):
+            # The echo and the truncation need a text prompt's ids before it runs.
+            tokenized = await self._requests.admission.tokenized(generation)
+            generation = convert.with_prompt_ids(tokenized, request, facts)
+        return generation
 
     @handles_errors
     async def GenerateStream(
         self, request: npb.GenerateRequest, context: Context
     ) -> AsyncIterator[npb.GenerateResponse]:
-        generation, wanted = await self._generation(request, context)
-        render = self._stream_renderer(wanted, generation.prompt_token_ids)
+        generation = await self._generation(request, context)
+        render = self._stream_renderer(Wanted.of(request.response), generation.prompt_token_ids)
         async with self._requests.run(generation) as flight:
             async for message in flight.messages(render):
                 yield message
@@ -79,10 +65,11 @@ class NativeInferenceServicer(ContractServicer, npb_grpc.InferenceServicer):
         """As vllm-rs: the prompt's facts in a message of their own first, then one message
         per sequence per engine step."""
         first = True
+        eos = self._eos
 
         def render(step: EngineStep) -> list[npb.GenerateResponse]:
             nonlocal first
-            output = responses.sequence_output(step, wanted, self._eos)
+            output = responses.sequence_output(step, wanted, eos)
             if not first:
                 return [output]
             first = False
@@ -94,39 +81,14 @@ class NativeInferenceServicer(ContractServicer, npb_grpc.InferenceServicer):
     async def Generate(
         self, request: npb.GenerateRequest, context: Context
     ) -> npb.GenerateResponse:
-        generation, wanted = await self._generation(request, context)
-        if (generation.sampling.n or 1) > 1:
-            raise InvalidRequest(
-                "Generate answers one sequence (its response has one `outputs`): use "
-                "GenerateStream for sampling.num_sequences > 1"
-            )
+        generation = await self._generation(request, context, unary=True)
         result = RequestResult()
         async with self._requests.run(generation) as flight:
             async for step in flight.steps():
                 result.add(step)
-            flight.answering()
-        (_, sample), = result.in_order()  # fmt: skip
-        assert sample.last is not None
-        whole = EngineStep(
-            token_ids=sample.token_ids,
-            text=sample.output_text,
-            finished=True,
-            finish_reason=sample.last.finish_reason,
-            stop_reason=sample.last.stop_reason,
-            prompt_tokens=sample.last.prompt_tokens,
-            completion_tokens=sample.last.completion_tokens,
-            cached_tokens=sample.last.cached_tokens,
-            logprobs=sample.logprobs,
-            kv_transfer_params=sample.last.kv_transfer_params,
-            error=sample.last.error,
-            prompt_logprobs=result.prompt_logprobs,
-        )
-        # One message with what a stream spreads over several (vllm-rs's unary answer).
-        answer = responses.sequence_output(whole, wanted, self._eos)
-        answer.prompt_info.CopyFrom(
-            responses.prompt_info(whole, generation.prompt_token_ids, wanted).prompt_info
-        )
-        return answer
+            flight.answering()  # the whole answer, below
+        wanted = Wanted.of(request.response)
+        return responses.whole_answer(result, generation.prompt_token_ids, wanted, self._eos)
 
 
 class NativeControlServicer(ContractServicer, npb_grpc.ControlServicer):
@@ -139,7 +101,7 @@ class NativeControlServicer(ContractServicer, npb_grpc.ControlServicer):
 
     def _require_lora(self) -> None:
         if not self._engine.facts.supports_lora:
-            raise NotConfigured(NO_LORA)
+            raise NotConfigured(convert.NO_LORA)
 
     def _weight_transfer(self) -> NoReturn:
         if not self._engine.facts.weight_transfer_backend:
@@ -228,10 +190,7 @@ class NativeControlServicer(ContractServicer, npb_grpc.ControlServicer):
     async def PauseGeneration(
         self, request: npb.PauseGenerationRequest, context: Context
     ) -> npb.PauseGenerationResponse:
-        mode = _PAUSE_MODES.get(request.mode)
-        if mode is None:
-            raise InvalidRequest(f"mode {request.mode} is not a PauseMode")
-        clear_cache = request.clear_cache if request.HasField("clear_cache") else True
+        mode, clear_cache = convert.pause(request)
         await self._state.require_engine()
         await self._engine.pause(mode, clear_cache)
         return npb.PauseGenerationResponse()
@@ -253,12 +212,7 @@ class NativeControlServicer(ContractServicer, npb_grpc.ControlServicer):
 
     @handles_errors
     async def Sleep(self, request: npb.SleepRequest, context: Context) -> npb.SleepResponse:
-        level = request.level if request.HasField("level") else 1
-        if level not in (1, 2):
-            raise InvalidRequest(f"level must be 1 or 2, got {level}")
-        mode = _PAUSE_MODES.get(request.mode)
-        if mode is None:
-            raise InvalidRequest(f"mode {request.mode} is not a PauseMode")
+        level, mode = convert.sleep(request)
         await self._state.require_engine()
         await self._engine.sleep(level, mode)
         return npb.SleepResponse()
