@@ -81,3 +81,24 @@ def vllm_router_in_thread(
 ) -> contextlib.AbstractAsyncContextManager[str]:
     """`vllm_router`, started and stopped in a thread (see `routers.in_thread`)."""
     return in_thread(vllm_router(workers, model, log, *extra))
+
+
+@contextlib.contextmanager
+def vllm_router_as_deployed(
+    workers: list[str], model: Path, log: Path, *extra: str
+) -> Iterator[str]:
+    """`vllm_router` with the router's own retry and circuit-breaker defaults (5 retries, a
+    breaker that opens after 10 failures), as a deployment runs it: for the fault tests,
+    where those are what is measured. `extra` adds or overrides flags (health checks...)."""
+    binary = vllm_router_path()
+    assert binary is not None, "vllm-router is not installed (make test installs it)"
+    port, metrics_port = free_port(), free_port()
+    command = [binary, "--host", "127.0.0.1", "--port", str(port),
+               "--worker-urls", *(f"grpc://{w}" for w in workers),
+               "--prometheus-port", str(metrics_port), *extra]  # fmt: skip
+    if "--policy" not in extra:
+        command += ["--policy", "round_robin"]
+    base = f"http://127.0.0.1:{port}"
+    env = {"VLLM_ROUTER_TOKENIZER": str(model)}
+    with _running(command, log, lambda: _http_models_ready(base), "vllm-router", env):
+        yield base
