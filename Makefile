@@ -75,6 +75,9 @@ endif
 # What serving needs (make serve, make router): vLLM, this package and the real model's
 # readers. What only the tests and the linters need comes on top (make test, make lint).
 $(VENV)/.serve-installed: pyproject.toml setup.py $(wildcard proto/*.proto) $(VENV)/.vllm-installed
+	@# This package was once distributed as `vllm-router` (the vllm-project's router's name):
+	@# an older .venv drops that name before the install under the new one.
+	$(BIN)/pip uninstall -y -q vllm-router 2>&1 | $(QUIET_PIP)
 	$(BIN)/pip install -q -e ".[real]" 2>&1 | $(QUIET_PIP)
 	touch $@
 

@@ -53,7 +53,13 @@ TARGETS = (
     "ours-mock",
     "ours-mock-compact",
     "grpc-floor",
+    "ours-native-transport",
+    "ours-mock-native-transport",
 )
+# Ours served by --transport native (pygrpc-native: HTTP/2 in Rust), each the same server
+# and client as the target named, with only the transport changed. Run when asked for
+# (--targets), not by default: the transport is opt-in.
+NATIVE_TRANSPORT = {"ours-native-transport": "ours", "ours-mock-native-transport": "ours-mock"}
 # Router targets: a Rust router (OpenAI streaming chat) in front of a worker target: SMG
 # (vllm.grpc.engine) or vllm-router (vLLM's native vllm.Inference).
 ROUTED = {
@@ -84,6 +90,8 @@ CLIENT = {
     "ours-vllm-outputs": clients.ours,
     "ours-metrics": clients.ours,
     "ours-mock": clients.ours,
+    "ours-native-transport": clients.ours,
+    "ours-mock-native-transport": clients.ours,
     "grpc-floor": clients.ours,
     "vllm-grpc": clients.vllm_grpc,
     "vllm-grpc-si4": clients.vllm_grpc,
@@ -133,6 +141,9 @@ def free_port() -> int:
 
 
 def command(target: str, model: str, port: int, max_model_len: int) -> list[str]:
+    if target in NATIVE_TRANSPORT:
+        same = command(NATIVE_TRANSPORT[target], model, port, max_model_len)
+        return [*same, "--transport", "native"]
     flags = ["--model", model, "--max-model-len", str(max_model_len), *ENGINE_FLAGS]
     py = sys.executable
     return {
@@ -364,7 +375,12 @@ async def run(args: argparse.Namespace) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", help="model dir (default: the built-in tiny model)")
-    parser.add_argument("--targets", default=",".join(TARGETS))
+    parser.add_argument(
+        "--targets",
+        default=",".join(t for t in TARGETS if t not in NATIVE_TRANSPORT),
+        help=f"comma-separated, of: {', '.join(TARGETS)} (default: all but "
+        f"{', '.join(NATIVE_TRANSPORT)})",
+    )
     parser.add_argument("--concurrency", default="1,16,64,256")
     parser.add_argument("--output-lens", default="64,400", help="one run of every level per length")
     parser.add_argument("--requests-per-slot", type=int, default=4)

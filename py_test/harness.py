@@ -6,6 +6,7 @@ Fixtures live in conftest.py; this module is what tests import.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import shutil
 import sys
@@ -25,6 +26,10 @@ from vllm_router.server import RunningServer, ServerConfig, start_server
 
 # `make test` sets this: a test that cannot run (no vLLM, no grpcurl) fails, not skips.
 REQUIRE_ALL = os.environ.get("VLLM_SERVICER_REQUIRE_ALL") == "1"
+# The transport the suite's servers use (ServerConfig.transport); test_transport.py runs the
+# mock-engine suite again with VLLM_SERVICER_TRANSPORT=native.
+TRANSPORT = os.environ.get("VLLM_SERVICER_TRANSPORT", "grpcio")
+NATIVE_TRANSPORT = TRANSPORT == "native"
 
 
 def require(condition: bool, reason: str) -> None:
@@ -74,10 +79,18 @@ class Harness:
 StartServer = Callable[..., Awaitable[Harness]]
 
 
+def with_transport(config: ServerConfig) -> ServerConfig:
+    """`config` on the suite's transport (TRANSPORT), unless it names another than the
+    default (test_transport.py, which runs both, is not run under VLLM_SERVICER_TRANSPORT)."""
+    if config.transport != ServerConfig.transport:
+        return config
+    return dataclasses.replace(config, transport=TRANSPORT)
+
+
 async def start_harness(
     engine: AsyncEngine, config: ServerConfig | None = None, model_dir: Path | None = None
 ) -> Harness:
-    running = await start_server(engine, config or ServerConfig(port=0))
+    running = await start_server(engine, with_transport(config or ServerConfig(port=0)))
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{running.port}")
     return Harness(engine, running, channel, pb_grpc.VllmEngineStub(channel), model_dir)
 

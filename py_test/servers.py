@@ -10,6 +10,8 @@ import signal
 import sys
 from dataclasses import dataclass, field
 
+from harness import TRANSPORT
+
 READY = re.compile(r"ready on (\S+):(\d+)")
 # Runs the CLI with vLLM made unimportable, as on a machine without it.
 WITHOUT_VLLM = (
@@ -51,6 +53,9 @@ class ServerProcess:
 
 
 def command(*args: str, without_vllm: bool = False) -> list[str]:
+    """The CLI with `args`, on the suite's transport (harness.TRANSPORT) unless they name one."""
+    if TRANSPORT != "grpcio" and "--transport" not in args:
+        args = (*args, "--transport", TRANSPORT)
     if without_vllm:
         return [sys.executable, "-c", WITHOUT_VLLM, *args]
     return [sys.executable, "-m", "vllm_router.vllm_servicer", *args]

@@ -15,7 +15,7 @@ from vllm_router.server import PortUnavailable, ServerConfig, start_server
 from vllm_router.testing.mock_engine import MockAsyncEngine
 
 import servers
-from harness import StartServer, read_rest, request, wait_until
+from harness import StartServer, read_rest, request, wait_until, with_transport
 
 
 async def test_max_concurrent_streams_rejects_at_once(start_mock: StartServer) -> None:
@@ -66,10 +66,10 @@ async def test_client_that_stops_reading_is_aborted_after_the_stall_timeout(
 
 
 async def test_second_server_on_the_same_port_fails() -> None:
-    first = await start_server(MockAsyncEngine(), ServerConfig(port=0))
+    first = await start_server(MockAsyncEngine(), with_transport(ServerConfig(port=0)))
     try:
         with pytest.raises(PortUnavailable):
-            await start_server(MockAsyncEngine(), ServerConfig(port=first.port))
+            await start_server(MockAsyncEngine(), with_transport(ServerConfig(port=first.port)))
     finally:
         await first.drain_and_stop()
 

@@ -13,9 +13,9 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from vllm_router.proto import vllm_engine_pb2 as pb
 from vllm_router.proto import vllm_engine_pb2_grpc as pb_grpc
-from vllm_router.server import ServerConfig
+from vllm_router.server import ServerConfig, StartupError
 
-from harness import StartServer, request
+from harness import NATIVE_TRANSPORT, StartServer, request
 
 API_KEY = "s3cret-token-for-tests"
 GENERATE = request([10], max_tokens=2)
@@ -43,9 +43,19 @@ def _secure(port: int, pki, cert: str | None = None) -> grpc.aio.Channel:
     return grpc.aio.secure_channel(f"localhost:{port}", credentials)
 
 
+async def _refused_on_native(start_mock: StartServer, config: ServerConfig, what: str) -> None:
+    """--transport native cannot serve `config`: it refuses to start, saying `what`."""
+    with pytest.raises(StartupError, match=what) as err:
+        await start_mock(config)
+    assert "\n" not in str(err.value) and "--transport grpcio" in str(err.value)
+
+
 async def test_tls_serves_trusting_clients_and_refuses_plaintext(
     start_mock: StartServer, pki
 ) -> None:
+    if NATIVE_TRANSPORT:  # pygrpc-native has no TLS: never plaintext in its place
+        await _refused_on_native(start_mock, _tls_config(pki, mutual=False), "no TLS")
+        return
     harness = await start_mock(_tls_config(pki, mutual=False))
     async with _secure(harness.server.port, pki) as channel:
         assert list((await _generate(channel)).output_token_ids) == [11, 12]
@@ -58,6 +68,9 @@ async def test_tls_serves_trusting_clients_and_refuses_plaintext(
 async def test_mutual_tls_refuses_missing_and_untrusted_client_certs(
     start_mock: StartServer, pki
 ) -> None:
+    if NATIVE_TRANSPORT:
+        await _refused_on_native(start_mock, _tls_config(pki, mutual=True), "no TLS")
+        return
     harness = await start_mock(_tls_config(pki, mutual=True))
     port = harness.server.port
     async with _secure(port, pki, "client") as channel:
@@ -117,6 +130,10 @@ async def test_unix_socket_alone_with_owner_only_mode(
 
 async def test_unix_socket_beside_tcp(start_mock: StartServer, tmp_path: Path) -> None:
     socket_path = tmp_path / "both.sock"
+    if NATIVE_TRANSPORT:  # one listener only
+        config = ServerConfig(port=0, uds=str(socket_path))
+        await _refused_on_native(start_mock, config, "one listener")
+        return
     harness = await start_mock(ServerConfig(port=0, uds=str(socket_path)))
     async with grpc.aio.insecure_channel(f"unix:{socket_path}") as channel:
         assert list((await _generate(channel)).output_token_ids) == [11, 12]

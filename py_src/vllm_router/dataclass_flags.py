@@ -1,9 +1,10 @@
 """Command-line flags derived from a settings dataclass, as vLLM derives its engine flags.
 
 Field `name` becomes `--<prefix><name>` (underscores to dashes) with the field's
-default and type; help, an environment-variable default and the value's placeholder
-come from the field's metadata (`help`, `env`, `metavar`). A `tuple[X, ...]` field
-takes one or more values (`nargs="+"`). A value is declared once, in the dataclass.
+default and type; help, an environment-variable default, the value's placeholder and the
+values it accepts come from the field's metadata (`help`, `env`, `metavar`, `choices`).
+A `tuple[X, ...]` field takes one or more values (`nargs="+"`). A value is declared once,
+in the dataclass.
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ def add_flags(
             parser.add_argument(
                 flag, dest=dest, type=kind, default=default, help=help_text or None,
                 nargs="+" if many else None, metavar=field.metadata.get("metavar"),
+                choices=field.metadata.get("choices"),
             )  # fmt: skip
 
 

@@ -29,12 +29,13 @@ from grpc_reflection.v1alpha import reflection
 from ..core import MediaRules, RequestTable, ServicerMetrics, ServingCore, ServingState
 from ..core.progress import silent_for, watch_engine_progress
 from ..engine import AsyncEngine
-from .config import ServerConfig, StartupError, server_options
+from .config import ServerConfig, StartupError
 from .health_service import HealthService
 from .interceptors import MalformedRequestInterceptor
 from .metrics_http import MetricsEndpoint, start_metrics_endpoint
 from .registry import enabled_contracts
 from .security import ApiKeyInterceptor, server_credentials
+from .transport import build_server, check_transport
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +59,7 @@ def preflight(config: ServerConfig) -> None:
     """Fail in milliseconds, before a model load that can take minutes."""
     if config.api_key is not None and not config.api_key:
         raise StartupError("the API key must not be empty (--api-key)")
+    check_transport(config)
     server_credentials(config.ssl_certfile, config.ssl_keyfile, config.ssl_ca_certs)
     if config.port > 0:
         _check_bindable(config.host, config.port)
@@ -129,7 +131,7 @@ class RunningServer:
         if config.api_key is not None:
             refused = self.metrics.unauthenticated if self.metrics is not None else None
             interceptors.insert(0, ApiKeyInterceptor(config.api_key, on_refused=refused))
-        self.server = grpc.aio.server(options=server_options(config), interceptors=interceptors)
+        self.server = build_server(config, interceptors)
         self.port = 0
         self.exit_code = EXIT_OK
         self._shutdown = asyncio.Event()

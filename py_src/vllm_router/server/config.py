@@ -17,6 +17,7 @@ VLLM_DEFINES = "vllm_defines"  # vLLM's engine flags define this flag when vLLM 
 # How the vLLM engine is served: a flag only when vLLM is installed (not for --mock-engine).
 VLLM_ONLY = "vllm_only"
 METAVAR = "metavar"  # the value's placeholder in --help
+CHOICES = "choices"  # the only values the flag accepts
 
 
 class StartupError(RuntimeError):
@@ -42,6 +43,16 @@ class ServerConfig:
     )
     port: int = _opt(
         DEFAULT_PORT, "TCP port; 0 picks a free port and logs it; -1: none (needs --uds)"
+    )
+    # Which library speaks HTTP/2 for the same servicers (server/transport.py). grpcio is the
+    # default: pygrpc-native has no TLS, one listener, and does not police client pings.
+    transport: str = _opt(
+        "grpcio",
+        "the gRPC transport: grpcio (grpc.aio; every feature) or native (opt-in, needs "
+        "pygrpc-native: HTTP/2 in Rust, less CPU per streamed message; no TLS, one listener "
+        "(TCP or --uds), does not enforce --min-client-ping-interval-ms); a setting native "
+        "cannot honour is a start-up error",
+        **{CHOICES: ("grpcio", "native")},
     )
     shutdown_grace_seconds: float = _opt(
         30.0, "on SIGTERM/SIGINT, how long in-flight requests may run before they are aborted"
@@ -132,6 +143,9 @@ def server_options(config: ServerConfig) -> list[tuple[str, int]]:
         ("grpc.max_send_message_length", config.max_message_bytes),
         ("grpc.keepalive_time_ms", config.keepalive_time_ms),
         ("grpc.keepalive_timeout_ms", config.keepalive_timeout_ms),
+        # grpc-core waits for a ping's ack this long (default 60 s), whatever the keepalive
+        # timeout says: without it a dead peer is found a minute late (measured on 1.85).
+        ("grpc.http2.ping_timeout_ms", config.keepalive_timeout_ms),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.min_ping_interval_without_data_ms", config.min_client_ping_interval_ms),
         ("grpc.http2.max_ping_strikes", 2),

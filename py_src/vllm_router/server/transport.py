@@ -1,0 +1,235 @@
+"""The gRPC transport: which library speaks HTTP/2 for the same servicers (`--transport`).
+
+`grpcio` (the default) is grpc.aio's own server. `native` is pygrpc-native's server (an
+optional install: `pip install 'vllm-servicer[native]'`), a grpc.aio.Server subclass whose
+HTTP/2 and gRPC framing run in Rust: the same servicers, interceptors, health (Watch too)
+and reflection (its client-streaming methods go through a grpc.aio server it runs behind
+itself on a private unix socket), for about a quarter less server CPU per streamed message.
+It has no TLS and one listener, refuses some server options, and does not police client
+pings. Everything native-specific lives here; pygrpc_native is imported only when chosen.
+
+`check_transport` (called by preflight, and again when the server is built) refuses in one
+line a configuration the chosen transport cannot honour: the worker never serves something
+weaker than it was asked to.
+
+Workaround of an upstream bug (pygrpc-native 0.5.0, `aio.Server._send`): a message the
+client's flow-control window cannot take is handed to `stream_send` in a thread of the
+event loop's default executor, which blocks until the client reads and stays blocked when
+the RPC is cancelled (only the client's own cancel frees it). Six clients that stop reading
+(the default executor's size on two cores) take every thread, and then every other stream
+and every `asyncio.to_thread` hang. `_polling_send_server` replaces that one method: it
+retries the non-blocking `stream_try_send` from the event loop (on every turn of the loop at
+first, so a client that reads, only slower than the engine writes, loses no rate; then with
+sleeps), so a stalled client costs a sleeping coroutine that any cancel (client, deadline,
+the stall watchdog) ends, and the send buffer stays bounded per stream (STREAM_FULL). The
+override is tied to the exact release and to the attributes it replaces or uses, checked
+before use.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import importlib
+import inspect
+import logging
+import time
+from collections.abc import Sequence
+from types import ModuleType
+from typing import Any
+
+import grpc
+
+from .config import ServerConfig, StartupError, server_options
+
+logger = logging.getLogger(__name__)
+
+GRPCIO = "grpcio"
+NATIVE = "native"
+TRANSPORTS = (GRPCIO, NATIVE)
+
+NATIVE_DISTRIBUTION = "pygrpc-native"
+# The one release whose private send path `_polling_send_server` replaces.
+NATIVE_VERSION = "0.5.0"
+NATIVE_INSTALL = "pip install 'vllm-servicer[native]'"
+
+# Options pygrpc-native ignores without a word, left out so that what it is given is what
+# it honours: it never sends GOAWAY for client pings (--help and the docs say so), and its
+# keepalive timeout is the ping timeout already.
+_IGNORED_BY_NATIVE = frozenset(
+    {
+        "grpc.http2.min_ping_interval_without_data_ms",
+        "grpc.http2.max_ping_strikes",
+        "grpc.http2.ping_timeout_ms",
+    }
+)
+# pygrpc-native allows 1024 streams per connection unless told; grpc-core sets no limit,
+# and a router multiplexes all of its requests over a few connections. Admission control
+# is --max-concurrent-streams, in the serving core, on either transport.
+NATIVE_MAX_STREAMS_PER_CONNECTION = 2**31 - 1
+
+# How a send the client's window cannot take yet is retried. A client that reads, only
+# slower than the engine writes, frees room for the next message within a fraction of a
+# millisecond, less than the shortest sleep the event loop can do (1 ms; sleeping that long
+# per message cut such a stream to a quarter of its rate): the send first retries on every
+# turn of the loop (other tasks run in between) for this long...
+_SEND_SPIN_SECONDS = 0.0005
+# ...then sleeps, 1 ms at first, doubling up to 20 ms: a stalled client costs ~50 wake-ups a
+# second until the stall watchdog ends its stream.
+_SEND_RETRY_FIRST_SECONDS = 0.001
+_SEND_RETRY_MAX_SECONDS = 0.02
+
+
+def check_transport(config: ServerConfig) -> None:
+    """Raise StartupError (one line) for an unknown transport or a setting it cannot honour."""
+    if config.transport not in TRANSPORTS:
+        raise StartupError(
+            f"--transport {config.transport!r} is unknown: choose grpcio (the default) or native"
+        )
+    if config.transport == GRPCIO:
+        return
+    tls = [
+        flag
+        for flag, value in (
+            ("--ssl-certfile", config.ssl_certfile),
+            ("--ssl-keyfile", config.ssl_keyfile),
+            ("--ssl-ca-certs", config.ssl_ca_certs),
+        )
+        if value
+    ]
+    if tls:
+        raise StartupError(
+            f"--transport native has no TLS ({' '.join(tls)}): serve TLS with --transport grpcio"
+        )
+    if config.uds and config.port >= 0:
+        raise StartupError(
+            "--transport native serves one listener: --uds needs --port -1 with it "
+            "(--transport grpcio serves both)"
+        )
+    # Built and dropped: its constructor is where pygrpc-native refuses what it cannot do.
+    _native_server(config, ())
+
+
+def native_options(config: ServerConfig) -> list[tuple[str, int]]:
+    """The channel arguments for pygrpc-native: ours, less those it ignores, plus its
+    per-connection stream limit lifted to grpc-core's (none)."""
+    options = [
+        (key, value) for key, value in server_options(config) if key not in _IGNORED_BY_NATIVE
+    ]
+    return [*options, ("grpc.max_concurrent_streams", NATIVE_MAX_STREAMS_PER_CONNECTION)]
+
+
+def build_server(
+    config: ServerConfig, interceptors: Sequence[grpc.aio.ServerInterceptor]
+) -> grpc.aio.Server:
+    """The gRPC server `config.transport` names, with our options and `interceptors`."""
+    check_transport(config)
+    if config.transport == NATIVE:
+        logger.info(
+            "Transport: native (%s %s; HTTP/2 in Rust; client keepalive pings are not limited)",
+            NATIVE_DISTRIBUTION,
+            NATIVE_VERSION,
+        )
+        return _native_server(config, interceptors)
+    return grpc.aio.server(options=server_options(config), interceptors=interceptors)
+
+
+def _native_server(
+    config: ServerConfig, interceptors: Sequence[grpc.aio.ServerInterceptor]
+) -> grpc.aio.Server:
+    server_class = _polling_send_server(_native_module())
+    try:
+        server: grpc.aio.Server = server_class(
+            interceptors=list(interceptors), options=native_options(config)
+        )
+    except (NotImplementedError, ValueError) as exc:
+        raise StartupError(
+            f"--transport native cannot serve this configuration ({exc}): use --transport grpcio"
+        ) from exc
+    return server
+
+
+def _native_module() -> ModuleType:
+    """pygrpc_native.aio, once its release and what the send override needs are checked."""
+    try:
+        package = importlib.import_module("pygrpc_native")
+        aio = importlib.import_module("pygrpc_native.aio")
+    except ImportError as exc:
+        raise StartupError(
+            f"--transport native needs {NATIVE_DISTRIBUTION}=={NATIVE_VERSION}, which is not "
+            f"installed ({NATIVE_INSTALL}); or use --transport grpcio"
+        ) from exc
+    version = getattr(package, "__version__", "unknown")
+    if version != NATIVE_VERSION:
+        raise StartupError(
+            f"--transport native needs {NATIVE_DISTRIBUTION}=={NATIVE_VERSION} exactly, not "
+            f"{version}: this worker replaces that release's stream send path (a slow-reader "
+            f"bug); install {NATIVE_VERSION} ({NATIVE_INSTALL}) or use --transport grpcio"
+        )
+    missing = _missing_touch_points(aio)
+    if missing:
+        raise StartupError(
+            f"--transport native: {NATIVE_DISTRIBUTION} {version} lacks what this worker's "
+            f"send override replaces or uses ({', '.join(missing)}); use --transport grpcio"
+        )
+    return aio
+
+
+def _missing_touch_points(aio: ModuleType) -> list[str]:
+    """What `_polling_send_server` relies on in pygrpc_native.aio and does not find there."""
+    server = getattr(aio, "Server", None)
+    if not (isinstance(server, type) and issubclass(server, grpc.aio.Server)):
+        return ["aio.Server, a grpc.aio.Server"]
+    missing = []
+    send = getattr(server, "_send", None)
+    if not (
+        inspect.iscoroutinefunction(send)
+        and list(inspect.signature(send).parameters) == ["self", "call", "context", "response"]
+    ):
+        missing.append("async Server._send(self, call, context, response)")
+    if not callable(getattr(server, "_encode", None)):
+        missing.append("Server._encode")
+    front = getattr(aio, "NativeGrpcFront", None)
+    if not callable(getattr(front, "stream_try_send", None)):
+        missing.append("NativeGrpcFront.stream_try_send")
+    for name in ("STREAM_FULL", "STREAM_CLOSED"):
+        if not isinstance(getattr(aio, name, None), int):
+            missing.append(name)
+    # The context attribute the override sets, as upstream's _send does: its __init__
+    # stores it (an attribute store names it in the code object's co_names).
+    init = getattr(getattr(aio, "_Context", None), "__init__", None)
+    if "_initial_sent" not in getattr(getattr(init, "__code__", None), "co_names", ()):
+        missing.append("_Context._initial_sent")
+    return missing
+
+
+@functools.cache
+def _polling_send_server(aio: ModuleType) -> type[grpc.aio.Server]:
+    """pygrpc-native's server with a send that never blocks a thread (see the module doc)."""
+    full, closed = aio.STREAM_FULL, aio.STREAM_CLOSED
+    base: Any = aio.Server  # a class known only once the optional package is imported
+
+    class PollingSendServer(base):
+        async def _send(self, call: Any, context: Any, response: Any) -> bool:
+            data = self._encode(call, context, response)
+            if data is None:  # not encodable or over the send limit: the call was failed
+                return False
+            # No initial metadata after the first message (what upstream's _send records).
+            context._initial_sent = True
+            front = self._front
+            sent = front.stream_try_send(call.call_id, data)
+            if sent == full:
+                # The client's window is full. Waiting on the loop, not in a thread, is what
+                # lets a cancel (the client's, a deadline, the stall watchdog) end the wait.
+                spin_until = time.monotonic() + _SEND_SPIN_SECONDS
+                delay = _SEND_RETRY_FIRST_SECONDS
+                while sent == full:
+                    if time.monotonic() < spin_until:
+                        await asyncio.sleep(0)
+                    else:
+                        await asyncio.sleep(delay)
+                        delay = min(2 * delay, _SEND_RETRY_MAX_SECONDS)
+                    sent = front.stream_try_send(call.call_id, data)
+            return bool(sent != closed)
+
+    return PollingSendServer

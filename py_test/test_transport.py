@@ -1,0 +1,479 @@
+"""--transport: grpcio (grpc.aio, the default) and native (pygrpc-native, opt-in).
+
+What native cannot honour is refused at start in one line; clients that stop reading hold
+no thread and no unbounded buffer on either transport; keepalive and the client-ping policy
+as each transport has them; and the mock-engine suite run again on native, in a pytest
+subprocess (VLLM_SERVICER_TRANSPORT=native: harness.py and servers.py honour it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+
+from vllm_router.proto import vllm_engine_pb2_grpc as pb_grpc
+from vllm_router.server import ServerConfig, StartupError, preflight, transport
+from vllm_router.server.transport import check_transport, native_options
+
+import servers
+from harness import Harness, StartServer, collect_stream, request, require, wait_until
+
+ROOT = Path(__file__).resolve().parent.parent
+TRANSPORTS = ("grpcio", "native")
+
+
+def _native_installed() -> bool:
+    return importlib.util.find_spec("pygrpc_native") is not None
+
+
+def _require(name: str) -> None:
+    if name == "native":
+        require(_native_installed(), "pygrpc-native is not installed (make test installs it)")
+
+
+def _refusal(config: ServerConfig) -> str:
+    """The one-line StartupError preflight gives for `config`."""
+    with pytest.raises(StartupError) as err:
+        preflight(config)
+    message = str(err.value)
+    assert "\n" not in message, message
+    return message
+
+
+# -- what native cannot honour: refused at start, in one line --------------------------------------
+
+
+def test_an_unknown_transport_is_refused_naming_both() -> None:
+    message = _refusal(ServerConfig(port=0, transport="quic"))
+    assert "'quic'" in message and "grpcio" in message and "native" in message
+
+
+def test_native_refuses_tls(pki) -> None:
+    for mutual in (False, True):
+        config = ServerConfig(
+            port=0,
+            transport="native",
+            ssl_certfile=str(pki["server_cert_path"]),
+            ssl_keyfile=str(pki["server_key_path"]),
+            ssl_ca_certs=str(pki["ca_path"]) if mutual else None,
+        )
+        message = _refusal(config)
+        assert "no TLS" in message and "--ssl-certfile" in message
+        assert "--transport grpcio" in message
+    # The same TLS settings on grpcio pass.
+    preflight(
+        ServerConfig(port=0, ssl_certfile=config.ssl_certfile, ssl_keyfile=config.ssl_keyfile)
+    )
+
+
+def test_native_refuses_a_unix_socket_beside_tcp(tmp_path: Path) -> None:
+    uds = str(tmp_path / "w.sock")
+    message = _refusal(ServerConfig(port=0, transport="native", uds=uds))
+    assert "one listener" in message and "--port -1" in message
+    preflight(ServerConfig(port=0, uds=uds))  # grpcio serves both
+
+
+def test_native_alone_on_a_unix_socket_passes(tmp_path: Path) -> None:
+    _require("native")
+    preflight(ServerConfig(port=-1, transport="native", uds=str(tmp_path / "w.sock")))
+
+
+def test_native_without_pygrpc_native_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("pygrpc_native", "pygrpc_native.aio"):
+        monkeypatch.setitem(sys.modules, name, None)  # import fails, as when not installed
+    message = _refusal(ServerConfig(port=0, transport="native"))
+    assert "pygrpc-native==0.5.0" in message and "not installed" in message
+    assert "vllm-servicer[native]" in message
+
+
+def test_native_of_another_release_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    _require("native")
+    import pygrpc_native
+
+    monkeypatch.setattr(pygrpc_native, "__version__", "0.6.0")
+    message = _refusal(ServerConfig(port=0, transport="native"))
+    assert "0.5.0 exactly" in message and "0.6.0" in message
+
+
+def test_native_without_the_send_path_it_replaces_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _require("native")
+    import pygrpc_native.aio
+
+    monkeypatch.delattr(pygrpc_native.aio.Server, "_send")
+    monkeypatch.delattr(pygrpc_native.aio, "STREAM_FULL")
+    message = _refusal(ServerConfig(port=0, transport="native"))
+    assert "Server._send" in message and "STREAM_FULL" in message
+
+
+def test_an_option_native_refuses_is_a_startup_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    _require("native")
+    refused = [("grpc.max_connection_age_ms", 60_000)]  # pygrpc-native cannot close by age
+    monkeypatch.setattr(transport, "native_options", lambda config: refused)
+    message = _refusal(ServerConfig(port=0, transport="native"))
+    assert "cannot serve this configuration" in message and "max_connection_age_ms" in message
+
+
+def test_native_options_drop_what_it_ignores_and_lift_its_stream_cap() -> None:
+    config = ServerConfig(max_message_bytes=1234, keepalive_time_ms=777)
+    options = dict(native_options(config))
+    assert options["grpc.max_receive_message_length"] == 1234
+    assert options["grpc.max_send_message_length"] == 1234
+    assert options["grpc.keepalive_time_ms"] == 777
+    assert options["grpc.max_concurrent_streams"] >= 2**31 - 1
+    assert not {
+        "grpc.http2.min_ping_interval_without_data_ms",
+        "grpc.http2.max_ping_strikes",
+    } & set(options)
+    check_transport(ServerConfig())  # grpcio needs nothing more
+
+
+def test_the_cli_refuses_in_one_line_and_lists_the_choices(pki) -> None:
+    cert, key = str(pki["server_cert_path"]), str(pki["server_key_path"])
+    tls = ("--ssl-certfile", cert, "--ssl-keyfile", key)
+    cases = {
+        ("--transport", "native", *tls): (1, "no TLS"),
+        ("--transport", "quic"): (2, "invalid choice: 'quic'"),
+    }
+    for flags, (code, said) in cases.items():
+        result = subprocess.run(
+            servers.command("--mock-engine", "--port", "0", *flags, without_vllm=True),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        lines = result.stderr.strip().splitlines()
+        assert result.returncode == code, result.stderr
+        assert said in lines[-1] and "Traceback" not in result.stderr, result.stderr
+        if code == 1:
+            assert len(lines) == 1, result.stderr
+
+
+# -- clients that stop reading ---------------------------------------------------------------------
+
+STALLED_CLIENTS = 16  # more than the default executor's threads on a small machine (6 on 2 cores)
+STALL_TIMEOUT = 2.0
+# A connection of its own per stalled client (channels to one address share one by default),
+# with a fixed 64 KiB window (no BDP growth): the 16 streams back up within a second, well
+# before the watchdog's 2 s (grown windows take several seconds to fill on two cores).
+STALLED_CLIENT = [
+    ("grpc.use_local_subchannel_pool", 1),
+    ("grpc.http2.bdp_probe", 0),
+    ("grpc.http2.lookahead_bytes", 65536),
+]
+
+
+def _rss_mb() -> float:
+    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def _blocked_on_send(harness: Harness, longer_than: float) -> set[str]:
+    """Requests whose next message has waited longer than this for its client to take it."""
+    now = time.monotonic()
+    flights = harness.server.requests._flights  # what the stall watchdog itself reads
+    return {
+        request_id
+        for request_id, flight in flights.items()
+        if (since := flight.stalled_since()) is not None and now - since > longer_than
+    }
+
+
+async def _status_after_the_rest(call: grpc.aio.UnaryStreamCall) -> grpc.StatusCode:
+    try:
+        while await call.read() is not grpc.aio.EOF:
+            pass
+    except grpc.aio.AioRpcError as err:
+        return err.code()
+    return await call.code()
+
+
+@pytest.mark.parametrize("transport_name", TRANSPORTS)
+async def test_clients_that_stop_reading_hold_no_thread_and_are_cancelled(
+    transport_name: str, start_mock: StartServer, figures
+) -> None:
+    """16 clients stop reading long streams: the default executor stays free (the bug
+    transport.py works around on native), another client's stream runs, memory stays
+    bounded; the stall watchdog cancels them all and the engine is left idle."""
+    _require(transport_name)
+    config = ServerConfig(
+        port=0,
+        transport=transport_name,
+        stream_stall_timeout_seconds=STALL_TIMEOUT,
+        shutdown_grace_seconds=2.0,
+    )
+    harness = await start_mock(config, tokens_per_step=2000, max_model_len=50_000_000)
+    await collect_stream(harness.stub, request([20], max_tokens=4000, ignore_eos=True))  # warm
+    rss_before = _rss_mb()
+    channels = [
+        grpc.aio.insecure_channel(harness.address, options=STALLED_CLIENT)
+        for _ in range(STALLED_CLIENTS)
+    ]
+    ids = {f"stalled-{i}" for i in range(STALLED_CLIENTS)}
+    stalled: list[grpc.aio.UnaryStreamCall] = []
+    try:
+        for i, channel in enumerate(channels):
+            long = request([10], f"stalled-{i}", max_tokens=40_000_000, ignore_eos=True)
+            stalled.append(pb_grpc.VllmEngineStub(channel).GenerateStream(long))
+        # Each reads one message, then never again: flow control backs up into the server.
+        await asyncio.gather(*(call.read() for call in stalled))
+        await wait_until(
+            lambda: _blocked_on_send(harness, 0.2) >= ids,
+            timeout=STALL_TIMEOUT,
+            what="every stalled client's stream blocked on a send",
+        )
+        stalled_at = time.monotonic()
+        rss_held = _rss_mb()
+        # Meanwhile the default executor still has a thread, and another client reads a
+        # stream to its end.
+        started = time.monotonic()
+        assert await asyncio.wait_for(asyncio.to_thread(lambda: "ran"), 1.0) == "ran"
+        to_thread_ms = (time.monotonic() - started) * 1000
+        started = time.monotonic()
+        reader = request([20], "reader", max_tokens=20_000, ignore_eos=True)
+        messages = await asyncio.wait_for(collect_stream(harness.stub, reader), 1.0)
+        reader_ms = (time.monotonic() - started) * 1000
+        assert messages[-1].is_finished and messages[-1].usage.completion_tokens == 20_000
+        # All that ran while all 16 were still held (the watchdog had not fired yet).
+        assert ids <= harness.server.requests.in_flight
+        await asyncio.sleep(0.2)
+        rss_later = _rss_mb()
+        # The stall watchdog cancels every stalled stream; the engine is left idle.
+        await wait_until(
+            lambda: (
+                ids <= set(harness.engine.aborted_ids) and not harness.server.requests.in_flight
+            ),
+            timeout=15,
+            what="the stall watchdog cancelled every stalled stream",
+        )
+        cancelled_after = time.monotonic() - stalled_at
+        load = harness.engine.load()
+        assert (load.running_requests, load.waiting_requests) == (0, 0)
+        if transport_name == "native":
+            # Its clients hear CANCELLED once they read what was sent before. (grpcio sends
+            # them nothing: one that reads again gets the messages sent before, then waits
+            # for its own deadline; measured, also with the server in another process.)
+            codes = await asyncio.wait_for(
+                asyncio.gather(*(_status_after_the_rest(call) for call in stalled)), 60
+            )
+            assert set(codes) == {grpc.StatusCode.CANCELLED}, codes
+        # And the server is as before: a thread for to_thread, a stream to the end.
+        assert await asyncio.wait_for(asyncio.to_thread(lambda: "again"), 1.0) == "again"
+        again = await asyncio.wait_for(collect_stream(harness.stub, request([20], max_tokens=3)), 5)
+        assert again[-1].usage.completion_tokens == 3
+    finally:
+        for call in stalled:
+            call.cancel()
+        for channel in channels:
+            await channel.close()
+    # Bounded: the 16 streams' buffers (server's and, here in-process, the clients' windows)
+    # are a fixed amount, and do not grow while the clients stay stalled.
+    held, growth = rss_held - rss_before, rss_later - rss_held
+    assert held < 400 and growth < 32, (held, growth)
+    figures(
+        f"{transport_name}: {STALLED_CLIENTS} clients stopped reading: to_thread {to_thread_ms:.1f}"
+        f" ms and a 10-message stream {reader_ms:.0f} ms meanwhile; RSS +{held:.0f} MB held, "
+        f"{growth:+.1f} MB over the next {0.2 + (reader_ms + to_thread_ms) / 1000:.1f} s; all "
+        f"cancelled {cancelled_after:.1f}s after stalling (watchdog {STALL_TIMEOUT:.0f} s), "
+        f"engine idle" + (", clients told CANCELLED" if transport_name == "native" else "")
+    )
+
+
+async def _messages_read_in(address: str, seconds: float) -> int:
+    """How many messages a client reading as fast as it can takes in `seconds` of a stream
+    the engine writes faster: its window is full most of the time."""
+    read = 0
+    async with grpc.aio.insecure_channel(address) as channel:
+        stream = pb_grpc.VllmEngineStub(channel).GenerateStream(
+            request([10], max_tokens=1_000_000, ignore_eos=True, n=64), timeout=seconds
+        )
+        try:
+            async for _ in stream:
+                read += 1
+        except grpc.aio.AioRpcError as err:
+            assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED, err
+    return read
+
+
+async def test_a_client_slower_than_the_engine_reads_as_fast_on_native(figures) -> None:
+    """The send that waits on the loop (transport.py) must not slow a stream whose client
+    reads, only slower than the engine writes. Sleeping 1 ms per full window read a tenth
+    of grpcio's rate (measured); upstream's thread-blocking send kept pace. The server runs
+    in a process of its own: one sharing this client's GIL measures the GIL."""
+    _require("native")
+    rates = {}
+    for name in TRANSPORTS:
+        server = await servers.start(
+            "--mock-engine", "--port", "0", "--mock-max-model-len", "2000000", "--transport", name
+        )
+        try:
+            rates[name] = await _messages_read_in(server.address, 2.0) / 2.0
+        finally:
+            await server.stop()
+    assert rates["native"] >= 0.5 * rates["grpcio"], rates
+    figures(", ".join(f"{name} {rate:,.0f} messages/s" for name, rate in rates.items()))
+
+
+# -- keepalive and client pings, on the wire -------------------------------------------------------
+
+PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+SETTINGS, PING, GOAWAY = 0x4, 0x6, 0x7
+ACK = 0x1
+
+
+def _frame(kind: int, flags: int = 0, payload: bytes = b"") -> bytes:
+    return len(payload).to_bytes(3, "big") + bytes([kind, flags]) + bytes(4) + payload
+
+
+async def _read_frame(reader: asyncio.StreamReader) -> tuple[int, int, bytes]:
+    header = await reader.readexactly(9)
+    payload = await reader.readexactly(int.from_bytes(header[:3], "big"))
+    return header[3], header[4], payload
+
+
+@dataclass
+class Seen:
+    """What a raw peer saw of the server."""
+
+    pings: int = 0  # pings the server sent (never acknowledged)
+    goaway: bytes | None = None  # the debug data of the server's GOAWAY
+    closed_after: float | None = None  # seconds until the server closed the connection
+
+
+async def _raw_peer(port: int, ping_every: float | None, seconds: float) -> Seen:
+    """An HTTP/2 peer with no calls that acknowledges settings and never the server's pings;
+    with `ping_every`, it pings that often itself. What it saw in `seconds` or until closed."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(PREFACE + _frame(SETTINGS))
+    seen = Seen()
+    started = time.monotonic()
+
+    async def pinger() -> None:
+        while ping_every is not None:
+            writer.write(_frame(PING, payload=bytes(8)))
+            await asyncio.sleep(ping_every)
+
+    async def watch() -> None:
+        try:
+            while True:
+                kind, flags, payload = await _read_frame(reader)
+                if kind == SETTINGS and not flags & ACK:
+                    writer.write(_frame(SETTINGS, ACK))
+                elif kind == PING and not flags & ACK:
+                    seen.pings += 1
+                elif kind == GOAWAY:
+                    seen.goaway = payload[8:]
+        except (asyncio.IncompleteReadError, ConnectionError):
+            seen.closed_after = time.monotonic() - started
+
+    pinging = asyncio.create_task(pinger())
+    try:
+        await asyncio.wait_for(watch(), seconds)
+    except asyncio.TimeoutError:
+        pass  # still open
+    finally:
+        pinging.cancel()
+        writer.close()
+    return seen
+
+
+@pytest.mark.parametrize("transport_name", TRANSPORTS)
+async def test_keepalive_drops_a_peer_that_never_answers_pings(
+    transport_name: str, start_mock: StartServer
+) -> None:
+    _require(transport_name)
+    config = ServerConfig(
+        port=0, transport=transport_name, keepalive_time_ms=300, keepalive_timeout_ms=300
+    )
+    harness = await start_mock(config)
+    seen = await _raw_peer(harness.server.port, ping_every=None, seconds=15)
+    assert seen.pings >= 1 and seen.closed_after is not None and seen.closed_after < 10, seen
+
+
+@pytest.mark.parametrize("transport_name", TRANSPORTS)
+async def test_client_ping_policy_is_grpcios_alone(
+    transport_name: str, start_mock: StartServer
+) -> None:
+    """grpcio sends GOAWAY (too_many_pings) to a client pinging faster than
+    --min-client-ping-interval-ms allows; native does not police client pings (documented
+    in --help and docs/operations.md), and this test says so if that changes."""
+    _require(transport_name)
+    harness = await start_mock(ServerConfig(port=0, transport=transport_name))
+    seen = await _raw_peer(harness.server.port, ping_every=0.05, seconds=3)
+    if transport_name == "grpcio":
+        assert seen.goaway is not None and b"too_many_pings" in seen.goaway, seen
+    else:
+        assert seen.goaway is None and seen.closed_after is None, seen
+
+
+# -- the mock-engine suite on native ---------------------------------------------------------------
+
+# The behaviours to prove on native as on grpcio, by the files that prove them on grpcio.
+NATIVE_SUITE = (
+    # the three contracts (ours, vLLM's native, vLLM's official) and batches
+    "test_generate.py",
+    "test_native.py",
+    "test_vllm_grpc.py",
+    "test_generate_batch.py",
+    # health (Check and Watch), drain, engine death; lifecycle of the CLI process
+    "test_service.py",
+    "test_cli.py",
+    "test_engine_progress.py",
+    # reflection and grpcurl
+    "test_grpcurl.py",
+    # cancel, deadline, Abort, dropped streams (also in the three contracts' files)
+    "test_router_grade.py",
+    "test_client.py",
+    # API key (TLS and unix socket beside TCP: the refusal is asserted on native)
+    "test_security.py",
+    # admission and message-size limits, stalled readers, keepalive
+    "test_limits.py",
+    "test_bad_input.py",
+    "test_keepalive.py",
+    "test_stream_interval.py",
+    "test_metrics.py",
+    # the fuzzers and the cancel storm (CI scale)
+    "test_fuzz.py",
+    "test_native_fuzz.py",
+    "stress/test_soak.py",
+)
+_COUNT = re.compile(r"(\d+) (passed|failed|skipped|error|deselected|xfailed|xpassed)")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_the_mock_engine_suite_passes_on_native(figures) -> None:
+    _require("native")
+    files = [str(ROOT / "py_test" / name) for name in NATIVE_SUITE]
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not vllm"]
+    started = time.monotonic()
+    result = subprocess.run(
+        [*command, *files],
+        cwd=ROOT,
+        env={**os.environ, "VLLM_SERVICER_TRANSPORT": "native"},
+        capture_output=True,
+        text=True,
+        timeout=540,
+    )
+    elapsed = time.monotonic() - started
+    lines = result.stdout.strip().splitlines()
+    summary = lines[-1] if lines else ""
+    counts = {kind: int(n) for n, kind in _COUNT.findall(summary)}  # "2 errors": error
+    tail = "\n".join(lines[-60:])
+    assert result.returncode == 0, f"the suite on native failed:\n{tail}\n{result.stderr[-2000:]}"
+    assert counts.get("failed", 0) == 0 and counts.get("error", 0) == 0, tail
+    assert counts.get("passed", 0) > 150, tail
+    figures(
+        f"{len(NATIVE_SUITE)} files on --transport native in {elapsed:.0f}s: "
+        + ", ".join(f"{n} {kind}" for kind, n in sorted(counts.items()))
+    )
