@@ -56,18 +56,22 @@ def vllm_rs_server(
 
 
 @contextlib.contextmanager
-def vllm_router(workers: list[str], model: Path, log: Path, *extra: str) -> Iterator[str]:
+def vllm_router(
+    workers: list[str], model: Path, log: Path, *extra: str, as_deployed: bool = False
+) -> Iterator[str]:
     """`vllm-router` in front of gRPC workers (`grpc://address`, `@rank` suffixes allowed; with
     none, `extra` names them, e.g. --vllm-pd-disaggregation --prefill ... --decode ...);
-    yields its HTTP base URL once it lists the model."""
+    yields its HTTP base URL once it lists the model. `as_deployed`: with the router's own
+    retry and circuit-breaker defaults (5 retries, a breaker that opens after 10 failures),
+    for the fault tests, where those are what is measured."""
     binary = vllm_router_path()
     assert binary is not None, "vllm-router is not installed (make test installs it)"
     port, metrics_port = free_port(), free_port()
+    # A test's one failure must not close the circuit on every later request.
+    isolated = [] if as_deployed else ["--disable-circuit-breaker", "--disable-retries"]
     command = [binary, "--host", "127.0.0.1", "--port", str(port),
                *(["--worker-urls", *(f"grpc://{w}" for w in workers)] if workers else []),
-               # A test's one failure must not close the circuit on every later request.
-               "--disable-circuit-breaker", "--disable-retries",
-               "--prometheus-port", str(metrics_port), *extra]  # fmt: skip
+               *isolated, "--prometheus-port", str(metrics_port), *extra]  # fmt: skip
     if "--policy" not in extra:
         command += ["--policy", "round_robin"]
     base = f"http://127.0.0.1:{port}"
@@ -81,24 +85,3 @@ def vllm_router_in_thread(
 ) -> contextlib.AbstractAsyncContextManager[str]:
     """`vllm_router`, started and stopped in a thread (see `routers.in_thread`)."""
     return in_thread(vllm_router(workers, model, log, *extra))
-
-
-@contextlib.contextmanager
-def vllm_router_as_deployed(
-    workers: list[str], model: Path, log: Path, *extra: str
-) -> Iterator[str]:
-    """`vllm_router` with the router's own retry and circuit-breaker defaults (5 retries, a
-    breaker that opens after 10 failures), as a deployment runs it: for the fault tests,
-    where those are what is measured. `extra` adds or overrides flags (health checks...)."""
-    binary = vllm_router_path()
-    assert binary is not None, "vllm-router is not installed (make test installs it)"
-    port, metrics_port = free_port(), free_port()
-    command = [binary, "--host", "127.0.0.1", "--port", str(port),
-               "--worker-urls", *(f"grpc://{w}" for w in workers),
-               "--prometheus-port", str(metrics_port), *extra]  # fmt: skip
-    if "--policy" not in extra:
-        command += ["--policy", "round_robin"]
-    base = f"http://127.0.0.1:{port}"
-    env = {"VLLM_ROUTER_TOKENIZER": str(model)}
-    with _running(command, log, lambda: _http_models_ready(base), "vllm-router", env):
-        yield base

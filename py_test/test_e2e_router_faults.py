@@ -34,7 +34,7 @@ import pytest
 
 import servers
 from harness import require
-from native_servers import vllm_router_as_deployed, vllm_router_path
+from native_servers import vllm_router, vllm_router_path
 from real_engine import tiny_model
 from routers import CHAT, _running, smg_path, smg_router
 from vllm_servers import free_port
@@ -323,7 +323,7 @@ class Fleet:
 def _router(kind: str, workers: list[str], log: Path) -> contextlib.AbstractContextManager[str]:
     if kind == "smg":
         return smg_router(workers, tiny_model(), log, *ROUTER_FLAGS[kind])
-    return vllm_router_as_deployed(workers, tiny_model(), log, *ROUTER_FLAGS[kind])
+    return vllm_router(workers, tiny_model(), log, *ROUTER_FLAGS[kind], as_deployed=True)
 
 
 def _installed(kind: str) -> bool:

@@ -10,7 +10,9 @@ engine, which would hang too): while the engine has work it does not hold on pur
 NOT_SERVING on every service name, every request in flight ends UNAVAILABLE with a message
 that says why, new requests are refused, and the server exits non-zero so its supervisor
 restarts the worker. An idle engine is never judged, and a slow step that ends before the
-timeout is only slow.
+timeout is only slow. With data parallelism a step of any rank counts (vLLM's scheduler
+stats do not say which requests a rank holds): a collective that wedges stops every rank,
+but one rank stuck while another steps is not found here.
 """
 
 from __future__ import annotations
