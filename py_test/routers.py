@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import http.client
 import json
 import os
 import subprocess
@@ -135,36 +134,55 @@ def smg_router_in_thread(
     return in_thread(smg_router(workers, model, log, *extra))
 
 
+# A client that reads a streamed chat's first lines and hangs up, in a process of its own so
+# that its reads never wait for this process's GIL (which the in-process worker holds).
+_DROPPING_CLIENT = """
+import http.client, sys
+host, port, path, body = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+connection = http.client.HTTPConnection(host, port, timeout=30)
+connection.request("POST", path, body, {"Content-Type": "application/json"})
+response = connection.getresponse()
+for _ in range(4):
+    response.readline()
+connection.close()
+print(response.status, flush=True)
+"""
+
+
 async def drop_mid_stream(base: str, body: dict, harness: Harness) -> int:
-    """Stream a chat through the router to `harness`'s worker, read its first lines, check
-    the request is in flight on the worker, hang up, and wait for the engine to stop;
-    returns how many tokens the worker generated for it (far fewer than asked, when the
-    hang-up reached the engine)."""
+    """Stream a chat through the router to `harness`'s worker, read its first lines and hang
+    up, checking the request was in flight on the worker meanwhile; wait for the engine to
+    stop and return how many tokens the worker generated for it (far fewer than asked,
+    when the hang-up reached the engine)."""
     metrics = harness.server.metrics
     assert metrics is not None, "the harness records no metrics (metrics_port)"
+    assert not harness.server.requests.in_flight, "the worker is not idle"
 
     def generated() -> float:
         value = metrics.registry.get_sample_value("vllm_servicer:generated_tokens_total")
         return value or 0.0
 
+    seen_in_flight = False
+
+    async def watch() -> None:
+        nonlocal seen_in_flight
+        while not seen_in_flight:
+            seen_in_flight = bool(harness.server.requests.in_flight)
+            await asyncio.sleep(0.001)
+
     before = generated()
     url = urllib.parse.urlparse(base)
-    assert url.hostname is not None
-    connection = http.client.HTTPConnection(url.hostname, url.port, timeout=30)
-
-    def open_and_read() -> int:
-        connection.request("POST", CHAT, json.dumps(body), {"Content-Type": "application/json"})
-        response = connection.getresponse()
-        for _ in range(4):
-            response.readline()
-        return response.status
-
+    watcher = asyncio.create_task(watch())
+    client = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", _DROPPING_CLIENT, str(url.hostname), str(url.port), CHAT,
+        json.dumps(body), stdout=asyncio.subprocess.PIPE,
+    )  # fmt: skip
     try:
-        status = await asyncio.to_thread(open_and_read)
-        assert status == 200, status
-        assert harness.server.requests.in_flight, "the request is not in flight on the worker"
+        out, _ = await asyncio.wait_for(client.communicate(), 60)
     finally:
-        connection.close()  # the client goes away mid-stream
+        watcher.cancel()
+    assert out.decode().strip() == "200", out
+    assert seen_in_flight, "the request was never in flight on the worker"
     deadline = time.monotonic() + 10
     while harness.engine.load().running_requests or harness.server.requests.in_flight:
         assert time.monotonic() < deadline, "the worker did not stop the request"

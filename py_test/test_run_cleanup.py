@@ -46,6 +46,10 @@ START_TIMEOUT = 60.0
 END_TIMEOUT = 60.0
 
 
+def _interruptible() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 class InnerRun:
     """`pytest py_test/run_cleanup_inner.py` as `make test` runs the suite (same conftest,
     same settings), in a process group of its own as under `timeout`."""
@@ -70,6 +74,9 @@ class InnerRun:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
+                # As at a terminal: a shell that starts a job in the background (a CI runner
+                # may) leaves SIGINT ignored, and Python then never raises KeyboardInterrupt.
+                preexec_fn=_interruptible,
             )
 
     def started(self) -> dict[str, Any]:
