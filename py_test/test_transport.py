@@ -23,13 +23,13 @@ import pytest
 
 from vllm_router.proto import vllm_engine_pb2_grpc as pb_grpc
 from vllm_router.server import ServerConfig, StartupError, preflight, transport
+from vllm_router.server.config import TRANSPORTS
 from vllm_router.server.transport import check_transport, native_options
 
 import servers
 from harness import Harness, StartServer, collect_stream, request, require, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
-TRANSPORTS = ("grpcio", "native")
 
 
 def _native_installed() -> bool:

@@ -18,6 +18,8 @@ VLLM_DEFINES = "vllm_defines"  # vLLM's engine flags define this flag when vLLM 
 VLLM_ONLY = "vllm_only"
 METAVAR = "metavar"  # the value's placeholder in --help
 CHOICES = "choices"  # the only values the flag accepts
+# The transports `transport` may name (server/transport.py builds each); grpcio the default.
+TRANSPORTS = ("grpcio", "native")
 
 
 class StartupError(RuntimeError):
@@ -47,12 +49,12 @@ class ServerConfig:
     # Which library speaks HTTP/2 for the same servicers (server/transport.py). grpcio is the
     # default: pygrpc-native has no TLS, one listener, and does not police client pings.
     transport: str = _opt(
-        "grpcio",
+        TRANSPORTS[0],
         "the gRPC transport: grpcio (grpc.aio; every feature) or native (opt-in, needs "
         "pygrpc-native: HTTP/2 in Rust, less CPU per streamed message; no TLS, one listener "
         "(TCP or --uds), does not enforce --min-client-ping-interval-ms); a setting native "
         "cannot honour is a start-up error",
-        **{CHOICES: ("grpcio", "native")},
+        **{CHOICES: TRANSPORTS},
     )
     shutdown_grace_seconds: float = _opt(
         30.0, "on SIGTERM/SIGINT, how long in-flight requests may run before they are aborted"

@@ -40,13 +40,11 @@ from typing import Any
 
 import grpc
 
-from .config import ServerConfig, StartupError, server_options
+from .config import TRANSPORTS, ServerConfig, StartupError, server_options
 
 logger = logging.getLogger(__name__)
 
-GRPCIO = "grpcio"
-NATIVE = "native"
-TRANSPORTS = (GRPCIO, NATIVE)
+GRPCIO, NATIVE = TRANSPORTS
 
 NATIVE_DISTRIBUTION = "pygrpc-native"
 # The one release whose private send path `_polling_send_server` replaces.
@@ -81,7 +79,15 @@ _SEND_RETRY_MAX_SECONDS = 0.02
 
 
 def check_transport(config: ServerConfig) -> None:
-    """Raise StartupError (one line) for an unknown transport or a setting it cannot honour."""
+    """Raise StartupError (one line) for an unknown transport or a setting it cannot honour
+    (preflight: before the model loads)."""
+    _check_settings(config)
+    if config.transport == NATIVE:
+        # Built and dropped: its constructor is where pygrpc-native refuses what it cannot do.
+        _native_server(config, ())
+
+
+def _check_settings(config: ServerConfig) -> None:
     if config.transport not in TRANSPORTS:
         raise StartupError(
             f"--transport {config.transport!r} is unknown: choose grpcio (the default) or native"
@@ -106,8 +112,6 @@ def check_transport(config: ServerConfig) -> None:
             "--transport native serves one listener: --uds needs --port -1 with it "
             "(--transport grpcio serves both)"
         )
-    # Built and dropped: its constructor is where pygrpc-native refuses what it cannot do.
-    _native_server(config, ())
 
 
 def native_options(config: ServerConfig) -> list[tuple[str, int]]:
@@ -122,8 +126,10 @@ def native_options(config: ServerConfig) -> list[tuple[str, int]]:
 def build_server(
     config: ServerConfig, interceptors: Sequence[grpc.aio.ServerInterceptor]
 ) -> grpc.aio.Server:
-    """The gRPC server `config.transport` names, with our options and `interceptors`."""
-    check_transport(config)
+    """The gRPC server `config.transport` names, with our options and `interceptors` (the
+    settings checked again for in-process starts, which skip preflight; what the native
+    constructor refuses it refuses here, without a throwaway server)."""
+    _check_settings(config)
     if config.transport == NATIVE:
         logger.info(
             "Transport: native (%s %s; HTTP/2 in Rust; client keepalive pings are not limited)",
