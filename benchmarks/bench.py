@@ -46,6 +46,7 @@ TARGETS = (
     "vllm-rs",
     "router-ours",
     "router-vllm-grpc",
+    "router-smg-rust",
     "ours-native",
     "vllm-rs-grpc",
     "vllm-router-ours",
@@ -53,18 +54,23 @@ TARGETS = (
     "ours-mock",
     "ours-mock-compact",
     "grpc-floor",
-    "ours-native-transport",
-    "ours-mock-native-transport",
+    "ours-vllm-grpc",
 )
-# Ours served by --transport native (pygrpc-native: HTTP/2 in Rust), each the same server
-# and client as the target named, with only the transport changed. Run when asked for
-# (--targets), not by default: the transport is opt-in.
-NATIVE_TRANSPORT = {"ours-native-transport": "ours", "ours-mock-native-transport": "ours-mock"}
+# A target of ours (served by vllm-servicer) named with one of these suffixes is the same
+# server, client and router with only the transport changed: `ours@native` is `ours` on
+# --transport native (pygrpc-native: HTTP/2 in Rust; a stream's plain decode steps sent
+# from the engine's output loop), `ours@native-queued` the same with --no-direct-sends
+# (every message from the handler). Run when asked for (--targets): the transport is opt-in.
+TRANSPORT_VARIANTS = {
+    "@native": ["--transport", "native"],
+    "@native-queued": ["--transport", "native", "--no-direct-sends"],
+}
 # Router targets: a Rust router (OpenAI streaming chat) in front of a worker target: SMG
 # (vllm.grpc.engine) or vllm-router (vLLM's native vllm.Inference).
 ROUTED = {
     "router-ours": "ours",
     "router-vllm-grpc": "vllm-grpc",
+    "router-smg-rust": "smg-rust",
     "vllm-router-ours": "ours",
     "vllm-router-vllm-rs": "vllm-rs-grpc",
 }
@@ -76,6 +82,7 @@ SAME_SERVER = {
     "ours-batched": "ours",
     "ours-compact": "ours",
     "ours-native": "ours",
+    "ours-vllm-grpc": "ours",
     "ours-mock-compact": "ours-mock",
 }
 # Stream interval 4: ours per request (SamplingParams.stream_interval), vLLM's --grpc
@@ -90,16 +97,16 @@ CLIENT = {
     "ours-vllm-outputs": clients.ours,
     "ours-metrics": clients.ours,
     "ours-mock": clients.ours,
-    "ours-native-transport": clients.ours,
-    "ours-mock-native-transport": clients.ours,
     "grpc-floor": clients.ours,
     "vllm-grpc": clients.vllm_grpc,
+    "ours-vllm-grpc": clients.vllm_grpc,
     "vllm-grpc-si4": clients.vllm_grpc,
     "vllm-http": clients.vllm_http,
     "smg-rust": clients.vllm_grpc,
     "vllm-rs": clients.vllm_http,
     "router-ours": clients.openai_chat,
     "router-vllm-grpc": clients.openai_chat,
+    "router-smg-rust": clients.openai_chat,
     "ours-native": clients.native,
     "vllm-rs-grpc": clients.native,
     "vllm-router-ours": clients.openai_chat,
@@ -140,10 +147,28 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def split_target(target: str) -> tuple[str, str]:
+    """A target's base name and its transport suffix ("" for none)."""
+    base, at, variant = target.partition("@")
+    return base, at + variant
+
+
+def ours(target: str) -> bool:
+    """Whether `target` is served by vllm-servicer (what a transport variant changes)."""
+    base = split_target(target)[0]
+    return SAME_SERVER.get(base, base) in ("ours", "ours-metrics", "ours-vllm-outputs", "ours-mock")
+
+
+def report_order(targets: list[str]) -> tuple[str, ...]:
+    """TARGETS' order, each transport variant right after its base target."""
+    variants = ["", *TRANSPORT_VARIANTS]
+    return tuple(t + v for t in TARGETS for v in variants if t + v in targets or not v)
+
+
 def command(target: str, model: str, port: int, max_model_len: int) -> list[str]:
-    if target in NATIVE_TRANSPORT:
-        same = command(NATIVE_TRANSPORT[target], model, port, max_model_len)
-        return [*same, "--transport", "native"]
+    target, variant = split_target(target)
+    if variant:
+        return [*command(target, model, port, max_model_len), *TRANSPORT_VARIANTS[variant]]
     flags = ["--model", model, "--max-model-len", str(max_model_len), *ENGINE_FLAGS]
     py = sys.executable
     return {
@@ -267,20 +292,20 @@ async def measure_server(
 ) -> list[dict]:
     port = free_port()
     address = f"127.0.0.1:{port}"
-    worker = SAME_SERVER.get(target, target)
+    base, variant = split_target(target)
+    worker = SAME_SERVER.get(base, base) + variant
     process = _spawn(worker, args, port)
     router: subprocess.Popen | None = None
     try:
         await wait_ready(worker, address, process, timeout=300)
-        if target in ROUTED:
-            router, base = await _spawn_router(args, address, target)
-            address = base
+        if base in ROUTED:
+            router, address = await _spawn_router(args, address, base)
         results = []
         for workload in levels:
-            if target == "ours-si4":
+            if base == "ours-si4":
                 workload = dataclasses.replace(workload, stream_interval=4)
-            url = f"http://{address}" if target in HTTP_TARGETS else address
-            close, one = CLIENT[target](url, workload)
+            url = f"http://{address}" if base in HTTP_TARGETS else address
+            close, one = CLIENT[base](url, workload)
             # Front-end CPU: the worker's own process (not its engine-core child); and
             # the router's, for the router targets.
             cpu = CpuWindow(process.pid, *([router.pid] if router is not None else []))
@@ -293,7 +318,7 @@ async def measure_server(
                 await close()
             result = summarize(target, workload, records, wall)
             add_cpu(result, seconds[0], rss_mb(process.pid))
-            result["stream_interval"] = STREAM_INTERVAL.get(target, 1)
+            result["stream_interval"] = STREAM_INTERVAL.get(base, 1)
             if router is not None:
                 result["router_cpu_us_per_token"] = result["cpu_us_per_token"] * (
                     seconds[1] / seconds[0] if seconds[0] else float("nan")
@@ -305,10 +330,11 @@ async def measure_server(
                 "vllm-grpc": False,
                 "smg-rust": False,
                 "ours-native": False,
+                "ours-vllm-grpc": False,
                 "vllm-rs-grpc": False,
                 "vllm-http": True,
                 "vllm-rs": True,
-            }.get(target, True if target in ROUTED else not workload.skip_detokenize)
+            }.get(base, True if base in ROUTED else not workload.skip_detokenize)
             print(json.dumps(result), flush=True)
             results.append(result)
         return results
@@ -369,7 +395,7 @@ async def run(args: argparse.Namespace) -> None:
             else:
                 measured = await measure_server(target, args, levels)
             results += [{**result, "round": round_} for result in measured]
-    write_results(results, args.out, TARGETS)
+    write_results(results, args.out, report_order(args.targets))
 
 
 def main() -> None:
@@ -377,9 +403,9 @@ def main() -> None:
     parser.add_argument("--model", help="model dir (default: the built-in tiny model)")
     parser.add_argument(
         "--targets",
-        default=",".join(t for t in TARGETS if t not in NATIVE_TRANSPORT),
-        help=f"comma-separated, of: {', '.join(TARGETS)} (default: all but "
-        f"{', '.join(NATIVE_TRANSPORT)})",
+        default=",".join(TARGETS),
+        help=f"comma-separated, of: {', '.join(TARGETS)} (default: all); a target of ours "
+        f"with {' or '.join(TRANSPORT_VARIANTS)} after its name: the same on another transport",
     )
     parser.add_argument("--concurrency", default="1,16,64,256")
     parser.add_argument("--output-lens", default="64,400", help="one run of every level per length")
@@ -406,7 +432,12 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=HERE / "runs")
     args = parser.parse_args()
     args.targets = [t for t in args.targets.split(",") if t]
-    unknown = set(args.targets) - set(TARGETS)
+    unknown = {
+        t
+        for t in args.targets
+        if split_target(t)[0] not in TARGETS
+        or (split_target(t)[1] and (split_target(t)[1] not in TRANSPORT_VARIANTS or not ours(t)))
+    }
     if unknown:
         parser.error(f"unknown targets {sorted(unknown)}; choose from {', '.join(TARGETS)}")
     args.concurrency = [int(c) for c in args.concurrency.split(",")]

@@ -114,6 +114,26 @@ TARGET_RATIOS = [
      "vllm-router-vllm-rs", "tokens_per_s", None, ""),
     ("CPU/token vllm-router-ours vs vllm-router-vllm-rs", "vllm-router-ours",
      "vllm-router-vllm-rs", "cpu_us_per_token", None, ""),
+    # Issue 32: per request on --transport native (direct sends), every contract against
+    # both Rust front ends, and through each router against the router before its Rust one.
+    ("CPU/token ours@native vs vllm-rs-grpc", "ours@native", "vllm-rs-grpc",
+     "cpu_us_per_token", 2.0, "<="),
+    ("CPU/token ours@native vs smg-rust", "ours@native", "smg-rust", "cpu_us_per_token", 2.0,
+     "<="),
+    ("CPU/token ours-native@native vs vllm-rs-grpc", "ours-native@native", "vllm-rs-grpc",
+     "cpu_us_per_token", 2.0, "<="),
+    ("CPU/token ours-vllm-grpc@native vs smg-rust", "ours-vllm-grpc@native", "smg-rust",
+     "cpu_us_per_token", 2.0, "<="),
+    ("CPU/token ours@native vs ours", "ours@native", "ours", "cpu_us_per_token", None, ""),
+    ("CPU/token ours@native vs ours@native-queued", "ours@native", "ours@native-queued",
+     "cpu_us_per_token", None, ""),
+    ("ITL p99 ours@native vs ours", "ours@native", "ours", "itl_p99_ms", None, ""),
+    ("tokens/s vllm-router-ours@native vs vllm-router-vllm-rs", "vllm-router-ours@native",
+     "vllm-router-vllm-rs", "tokens_per_s", 1.0, ">="),
+    ("tokens/s router-ours@native vs router-smg-rust", "router-ours@native", "router-smg-rust",
+     "tokens_per_s", 1.0, ">="),
+    ("tokens/s ours-mock@native vs ours-mock", "ours-mock@native", "ours-mock", "tokens_per_s",
+     None, ""),
 ]  # fmt: skip
 
 

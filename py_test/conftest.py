@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
+from vllm_router.core.flight import Flight
 from vllm_router.server import ServerConfig
 from vllm_router.testing.mock_engine import MockAsyncEngine, MockConfig
 
@@ -17,7 +18,7 @@ import native_servers
 import real_engine
 import reaper
 import routers
-from harness import Harness, StartServer, require, start_harness
+from harness import DirectCount, Harness, StartServer, require, start_harness
 from otlp_receiver import TraceReceiver, trace_receiver
 from pki import make_pki
 from vllm_servers import free_port, vllm_openai_server
@@ -45,6 +46,24 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
         terminalreporter.section("measured figures")
         for line in _FIGURES:
             terminalreporter.write_line(line)
+
+
+@pytest.fixture
+def direct_count(monkeypatch: pytest.MonkeyPatch) -> DirectCount:
+    """Counts the decode steps flights send directly (core/flight.py), and the refused."""
+    count = DirectCount()
+    send = Flight._send_directly
+
+    def counted(self: Flight, token_ids: list[int]) -> bool:
+        taken = send(self, token_ids)
+        if taken:
+            count.sent += 1
+        else:
+            count.refused += 1
+        return taken
+
+    monkeypatch.setattr(Flight, "_send_directly", counted)
+    return count
 
 
 @pytest.fixture(scope="session")

@@ -75,6 +75,29 @@ class Harness:
         await self.server.drain_and_stop()  # also shuts the engine down
 
 
+class Borrowed:
+    """An engine lent to a second server (another transport over the session's engine):
+    everything passes through but `shutdown`, which stays with the engine's owner."""
+
+    def __init__(self, engine: Any) -> None:
+        self._engine = engine
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+    async def shutdown(self) -> None:
+        pass
+
+
+class DirectCount:
+    """How many plain decode steps this process's flights sent directly, and how many the
+    transport refused (the `direct_count` fixture counts them)."""
+
+    def __init__(self) -> None:
+        self.sent = 0
+        self.refused = 0
+
+
 # The start_mock fixture's factory: (ServerConfig | None, **MockConfig fields) -> Harness.
 StartServer = Callable[..., Awaitable[Harness]]
 

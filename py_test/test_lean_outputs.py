@@ -204,9 +204,14 @@ async def test_decode_steps_handed_to_the_consumers_sink_keep_their_order(
     _, options = CASES[name]
     reference = await run(real, False, generation(f"ref-h-{name}", **options))
     arrived: list[list[int] | EngineStep] = []
+
+    def take(token_ids: list[int]) -> bool:
+        arrived.append(token_ids)
+        return True
+
     with output_path(real, True):
         request = generation(f"handed-{name}", **options)
-        async for step in real.engine.generate(request, decoded=arrived.append):
+        async for step in real.engine.generate(request, decoded=take):
             arrived.append(step)
     steps = [a for a in arrived if isinstance(a, EngineStep)]
     handed = [a for a in arrived if not isinstance(a, EngineStep)]

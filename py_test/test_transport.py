@@ -442,6 +442,8 @@ NATIVE_SUITE = (
     "test_keepalive.py",
     "test_stream_interval.py",
     "test_metrics.py",
+    # both Rust routers in front of two workers: kill, restart, drain, a hung engine
+    "test_e2e_router_faults.py",
     # the fuzzers and the cancel storm (CI scale)
     "test_fuzz.py",
     "test_native_fuzz.py",

@@ -79,13 +79,15 @@ class Lane:
         self.cached_tokens = 0
         self._outbox = outbox
 
-    def __call__(self, token_ids: list[int]) -> None:
+    def __call__(self, token_ids: list[int]) -> bool:
+        """Always takes them: they leave with the outbox's next message."""
         if self.token_ids:
             self.token_ids += token_ids
         else:
             self.token_ids = [*token_ids]  # the engine's list is not ours to extend
             self._outbox.queue(self)
         self.completion_tokens += len(token_ids)
+        return True
 
     def claim(self, step: EngineStep) -> EngineStep:
         """`step` with what this lane holds unsent in front of its tokens, and the counts

@@ -3,18 +3,30 @@
 `Flight` is what `RequestTable.run` yields; handlers read steps from it, never from the
 engine, so the bookkeeping every contract needs (token and finish counters, the timing
 histograms, what the stall watchdog watches, a drain abort told as UNAVAILABLE) is here once.
+
+A stream on a transport that can send without waiting (`DirectSend`: pygrpc-native's
+non-blocking send) is fed straight from engine steps: the flight is the engine's sink for
+the request's plain decode steps (engine/handoff.py), renders each into the stream's next
+message from the engine's output loop and hands it to the transport. No task wakes, no
+generator resumes. When the transport cannot take it (the client's window is full) the
+step is refused, the engine buffers it and the request's task sends it the awaited way,
+merged with the steps that arrive meanwhile: steps coalesce only under back-pressure, and
+a token is never held back while the pipe is free.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
-from collections.abc import AsyncIterator, Callable, Iterable
-from typing import Protocol, TypeVar
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any, Protocol, TypeVar
 
 from ..engine import EngineStep
 from ..errors import EngineUnavailable
 from .metrics import ServicerMetrics
+
+logger = logging.getLogger(__name__)
 
 Message = TypeVar("Message")
 
@@ -22,6 +34,14 @@ SHUT_DOWN = (
     "server shut down before the request finished (aborted after the drain grace period); "
     "retry on another worker"
 )
+
+
+class DirectSend(Protocol):
+    """A transport's send of one response message that does not wait: True if the transport
+    took it (it goes out after every message before it), False if it cannot now (the
+    client's flow-control window is full, or the stream has ended). Never blocks or raises."""
+
+    def __call__(self, message: Any) -> bool: ...
 
 
 class SendClock(Protocol):
@@ -38,8 +58,9 @@ class Flight:
     no contract can forget that a drain abort is UNAVAILABLE, not an answer.
     """
 
-    __slots__ = ("_engine_steps", "_last_sent", "_metrics", "_started", "failure",
-                 "request_id", "send_clock", "sending_since", "shut_down", "task")  # fmt: skip
+    __slots__ = ("_completion_tokens", "_direct", "_engine_steps", "_last_sent", "_last_step",
+                 "_metrics", "_render", "_started", "failure", "request_id", "send_clock",
+                 "sending_since", "shut_down", "task")  # fmt: skip
 
     def __init__(self, request_id: str, metrics: ServicerMetrics | None) -> None:
         self.request_id = request_id
@@ -57,6 +78,18 @@ class Flight:
         self._started = time.monotonic()
         self._last_sent: float | None = None
         self._engine_steps: AsyncIterator[EngineStep] | None = None
+        # Direct sends (`sink`): the transport's send, the stream's renderer once `messages`
+        # runs, the last step it rendered and the tokens produced since.
+        self._direct: DirectSend | None = None
+        self._render: Callable[[EngineStep], Sequence[Any]] | None = None
+        self._last_step: EngineStep | None = None
+        self._completion_tokens = 0
+
+    def sink(self, send: DirectSend) -> Callable[[list[int]], bool]:
+        """The engine's sink for this request's plain decode steps, sending each as the
+        stream's next message through `send` (see the module docstring)."""
+        self._direct = send
+        return self._send_directly
 
     def begin(self, engine_steps: AsyncIterator[EngineStep]) -> None:
         """The request runs in the engine now; these are its steps."""
@@ -70,7 +103,7 @@ class Flight:
             yield step
 
     async def messages(
-        self, render: Callable[[EngineStep], Iterable[Message]]
+        self, render: Callable[[EngineStep], Sequence[Message]]
     ) -> AsyncIterator[Message]:
         """The messages `render` makes of each step, as a stream handler yields them to gRPC.
 
@@ -80,12 +113,52 @@ class Flight:
         through `steps()`: one async-generator layer less per token.
         """
         assert self._engine_steps is not None, "the flight has not started in the engine"
+        self._render = render
         async for step in self._engine_steps:
             self._record(step)
+            self._last_step = step
+            self._completion_tokens = step.completion_tokens
             for message in render(step):
                 self.answering()
                 yield message
                 self.sending_since = None
+
+    def _send_directly(self, token_ids: list[int]) -> bool:
+        """A plain decode step, from the engine's output loop: rendered as the stream's next
+        message and handed to the transport; False (the engine buffers it) when the
+        transport cannot take it now, or before the stream's first message."""
+        render, last, send = self._render, self._last_step, self._direct
+        if render is None or last is None or send is None:
+            return False
+        completion = self._completion_tokens + len(token_ids)
+        # A decode step's message carries its tokens and the usage as of them.
+        step = EngineStep(
+            token_ids=token_ids,
+            text="",
+            finished=False,
+            prompt_tokens=last.prompt_tokens,
+            completion_tokens=completion,
+            cached_tokens=last.cached_tokens,
+            index=last.index,
+        )
+        try:
+            rendered = render(step)
+            if len(rendered) != 1 or not send(rendered[0]):
+                return False
+        except Exception:
+            # This runs inside the engine's output loop, where an exception would fail the
+            # engine: the task renders the step again and its error reaches this client.
+            logger.exception("request %s: a direct send failed", self.request_id)
+            return False
+        self._completion_tokens = completion
+        now = time.monotonic()
+        metrics = self._metrics
+        if metrics is not None:
+            metrics.generated_tokens.inc(len(token_ids))
+            if self._last_sent is not None:
+                metrics.time_between_messages.observe(now - self._last_sent)
+        self._last_sent = now
+        return True
 
     def answering(self) -> None:
         """A response message goes to gRPC now (also what a unary handler calls once)."""

@@ -22,7 +22,7 @@ from ..errors import (
     Overloaded,
 )
 from .admission import Admission
-from .flight import Flight
+from .flight import DirectSend, Flight
 from .health import ServingState
 from .media_admission import MediaRules
 from .metrics import ServicerMetrics
@@ -70,13 +70,18 @@ class RequestTable:
 
     @contextlib.asynccontextmanager
     async def run(
-        self, request: GenerationRequest, *, decoded: TokenSink | None = None
+        self,
+        request: GenerationRequest,
+        *,
+        decoded: TokenSink | None = None,
+        direct: DirectSend | None = None,
     ) -> AsyncIterator[Flight]:
         """Admit `request`, start it in the engine and yield its Flight (see its steps).
 
         `decoded`: where the engine may put the request's plain decode steps instead of
         yielding them (`AsyncEngine.generate`); they are not counted here (the caller
-        counts them, in bulk: `count_generated`).
+        counts them, in bulk: `count_generated`). `direct`: the stream's send that does not
+        wait, through which the flight sends those steps itself (flight.py).
 
         Leaving the block (finished, cancelled, failed) closes the engine's iterator,
         which aborts the request in the engine if it is still running."""
@@ -92,6 +97,9 @@ class RequestTable:
                     request.dp_rank,
                     request.lora_name,
                 )
+            if direct is not None:
+                assert decoded is None, "a request has one sink"
+                decoded = flight.sink(direct)
             steps = self._engine.generate(request, decoded=decoded)
             flight.begin(steps)
             try:

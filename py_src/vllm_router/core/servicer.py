@@ -24,6 +24,7 @@ import grpc
 
 from ..engine import AsyncEngine
 from ..errors import EngineDead, InvalidRequest, status_code, status_for
+from .flight import DirectSend
 from .health import ServingState
 from .metrics import ServicerMetrics
 from .requests import RequestTable
@@ -42,6 +43,9 @@ class ServingCore:
     requests: RequestTable
     state: ServingState
     metrics: ServicerMetrics | None = None
+    # The transport's send that does not wait, for a stream's context (None: the transport
+    # has none, or direct sends are off); see core/flight.py.
+    direct_send: Callable[[grpc.aio.ServicerContext], DirectSend | None] = lambda _: None
     tokenizer: TokenizerFiles = field(init=False)
     started: float = field(init=False, default_factory=time.monotonic)  # for uptimes
 
@@ -93,6 +97,11 @@ class ContractServicer:
         self._engine = core.engine
         self._requests = core.requests
         self._state = core.state
+
+    def _direct(self, context: grpc.aio.ServicerContext) -> DirectSend | None:
+        """The stream's send that does not wait, if its transport has one (a stream
+        handler passes it to `RequestTable.run`: its decode steps then skip the handler)."""
+        return self.core.direct_send(context)
 
     @functools.cached_property
     def _eos(self) -> frozenset[int]:

@@ -4,6 +4,7 @@
 `vllm_router.testing`. Nothing in this package imports gRPC contracts.
 """
 
+from .handoff import Handoff, TokenSink, hands_over
 from .media_types import DTYPE_SIZES, MediaItem, ProcessedMedia, RawTensor
 from .protocol import AsyncEngine, PauseMode
 from .types import (
@@ -25,7 +26,6 @@ from .types import (
     SamplingOptions,
     StructuredOutputs,
     TokenLogprob,
-    TokenSink,
 )
 
 __all__ = [
@@ -37,6 +37,7 @@ __all__ = [
     "EngineStep",
     "FinishReason",
     "GenerationRequest",
+    "Handoff",
     "KvBlocksRemoved",
     "KvBlocksStored",
     "KvCacheCleared",
@@ -54,4 +55,5 @@ __all__ = [
     "StructuredOutputs",
     "TokenLogprob",
     "TokenSink",
+    "hands_over",
 ]

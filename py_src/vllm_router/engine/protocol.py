@@ -7,6 +7,7 @@ from typing import Literal, Protocol, runtime_checkable
 
 from prometheus_client.registry import Collector
 
+from .handoff import TokenSink
 from .types import (
     Embedding,
     EngineProgress,
@@ -18,7 +19,6 @@ from .types import (
     LoraAdapter,
     ModelFacts,
     RankLoad,
-    TokenSink,
 )
 
 # What happens to requests in flight when the engine pauses (vLLM's PauseMode).
@@ -52,12 +52,11 @@ class AsyncEngine(Protocol):
         `request.prompt_token_ids` is set (text prompts are tokenized first).
         Closing the iterator early aborts the request in the engine.
 
-        `decoded`: the engine may hand a plain decode step (new token ids only: not the
+        `decoded`: the engine may offer a plain decode step (new token ids only: not the
         first step, not the last, no text, logprobs or anything else) to it, from its
-        output loop, instead of yielding it; only while the consumer waits for the next
-        step and nothing is buffered for it, so such tokens come after everything
-        yielded before and before everything yielded after. Later steps'
-        `completion_tokens` count them. An engine may ignore it.
+        output loop, instead of yielding it, by the rule of handoff.py (only while the
+        consumer waits and nothing is buffered; a step it refuses is yielded as any);
+        later steps' `completion_tokens` count what it took. An engine may ignore it.
         """
         ...
 

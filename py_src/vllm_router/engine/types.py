@@ -7,7 +7,7 @@ field, and a test fails when a contract field has no counterpart here.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -160,18 +160,13 @@ class EngineStep:
 def one_plain_sample(options: SamplingOptions, samples: int) -> bool:
     """One sample and no logprobs of any kind: what the engine makes per step is only new
     token ids (and text). Such requests skip vLLM's RequestOutput (engine/vllm/lean.py),
-    and, token-only and streamed at every step, may be handed over by step (`TokenSink`)."""
+    and, token-only and streamed at every step, may be handed over by step (handoff.py)."""
     return (
         samples == 1
         and options.logprobs is None
         and not options.logprob_token_ids
         and options.prompt_logprobs is None
     )
-
-
-# Where an engine may put a request's plain decode steps' new token ids, called from its
-# output loop (see AsyncEngine.generate): it must only record them, never block or raise.
-TokenSink = Callable[[list[int]], None]
 
 
 @dataclass(frozen=True, slots=True)

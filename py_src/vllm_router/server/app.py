@@ -35,7 +35,7 @@ from .interceptors import MalformedRequestInterceptor
 from .metrics_http import MetricsEndpoint, start_metrics_endpoint
 from .registry import enabled_contracts
 from .security import ApiKeyInterceptor, server_credentials
-from .transport import build_server, check_transport
+from .transport import build_server, check_transport, direct_sender
 
 logger = logging.getLogger(__name__)
 
@@ -119,7 +119,9 @@ class RunningServer:
                 engine_alive=lambda: not self.state.engine_dead,
                 engine_silent=lambda: silent_for(engine),
             )
-        self.core = ServingCore(engine, self.requests, self.state, self.metrics)
+        self.core = ServingCore(
+            engine, self.requests, self.state, self.metrics, direct_send=direct_sender(config)
+        )
         self.state.on_engine_death(self._refresh_health)
         self.health = HealthService()
         self.contracts = enabled_contracts(config)

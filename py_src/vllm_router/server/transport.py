@@ -24,6 +24,12 @@ sleeps), so a stalled client costs a sleeping coroutine that any cancel (client,
 the stall watchdog) ends, and the send buffer stays bounded per stream (STREAM_FULL). The
 override is tied to the exact release and to the attributes it replaces or uses, checked
 before use.
+
+Direct sends (`direct_sender`, on unless --no-direct-sends): the serving core sends a
+stream's plain decode steps from the engine's output loop (core/flight.py) through
+`stream_try_send`, which never waits: a message the client's window cannot take is refused
+and goes the awaited way above, merged with the steps after it. The same release-pinned
+touch points (the context's server and call, the server's encoder) are checked with the rest.
 """
 
 from __future__ import annotations
@@ -34,12 +40,13 @@ import importlib
 import inspect
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any
 
 import grpc
 
+from ..core.flight import DirectSend
 from .config import TRANSPORTS, ServerConfig, StartupError, server_options
 
 logger = logging.getLogger(__name__)
@@ -173,6 +180,8 @@ def _native_module() -> ModuleType:
             f"bug); install {NATIVE_VERSION} ({NATIVE_INSTALL}) or use --transport grpcio"
         )
     missing = _missing_touch_points(aio)
+    if not isinstance(getattr(package, "STREAM_SENT", None), int):  # what a direct send reads
+        missing.append("STREAM_SENT")
     if missing:
         raise StartupError(
             f"--transport native: {NATIVE_DISTRIBUTION} {version} lacks what this worker's "
@@ -204,8 +213,11 @@ def _missing_touch_points(aio: ModuleType) -> list[str]:
     # The context attribute the override sets, as upstream's _send does: its __init__
     # stores it (an attribute store names it in the code object's co_names).
     init = getattr(getattr(aio, "_Context", None), "__init__", None)
-    if "_initial_sent" not in getattr(getattr(init, "__code__", None), "co_names", ()):
-        missing.append("_Context._initial_sent")
+    stored = getattr(getattr(init, "__code__", None), "co_names", ())
+    # ...and those a direct send reads (direct_sender).
+    for name in ("_initial_sent", "_server", "_call", "_closed"):
+        if name not in stored:
+            missing.append(f"_Context.{name}")
     return missing
 
 
@@ -239,3 +251,37 @@ def _polling_send_server(aio: ModuleType) -> type[grpc.aio.Server]:
             return bool(sent != closed)
 
     return PollingSendServer
+
+
+def direct_sender(
+    config: ServerConfig,
+) -> Callable[[grpc.aio.ServicerContext], DirectSend | None]:
+    """What gives a stream's context its send that does not wait (`ServingCore.direct_send`):
+    on the native transport with direct sends on, for its own stream contexts; else none."""
+    if config.transport != NATIVE or not config.direct_sends:
+        return _no_direct_send
+    aio = _native_module()
+    context_class: type = aio._Context
+    sent_code = importlib.import_module("pygrpc_native").STREAM_SENT
+
+    def direct_send(context: grpc.aio.ServicerContext) -> DirectSend | None:
+        if type(context) is not context_class:  # e.g. a reflection call on the fallback
+            return None
+        native: Any = context
+        server, call = native._server, native._call
+        front, encode, call_id = server._front, server._encode, call.call_id
+
+        def send(message: Any) -> bool:
+            if native._closed:
+                return False
+            # Encoding fails the call itself (an unencodable or oversized message).
+            data = encode(call, native, message)
+            return data is not None and bool(front.stream_try_send(call_id, data) == sent_code)
+
+        return send
+
+    return direct_send
+
+
+def _no_direct_send(context: grpc.aio.ServicerContext) -> DirectSend | None:
+    return None

@@ -40,6 +40,7 @@ from ..engine import (
     EngineProgress,
     EngineStep,
     GenerationRequest,
+    Handoff,
     KvEventBatch,
     KvEventSource,
     LoadSnapshot,
@@ -48,8 +49,9 @@ from ..engine import (
     PauseMode,
     RankLoad,
     TokenSink,
+    hands_over,
 )
-from ..engine.types import FinishReason, one_plain_sample
+from ..engine.types import FinishReason
 from ..errors import EngineDead, InvalidRequest, NotConfigured, Unsupported
 from .mock_config import MockConfig
 from .mock_decode import SampleDecoder, cached_prefix, check_supported, every_interval
@@ -256,9 +258,10 @@ class MockAsyncEngine:
             held = await self._wait_for_slot(state)
             state.running = held
             interval = request.sampling.stream_interval or 1
-            # The adapter's rule: one plain sample, token-only, every step.
-            plain = one_plain_sample(request.sampling, request.sampling.n or 1)
-            handed = decoded if plain and interval == 1 and not request.detokenize else None
+            plain = hands_over(
+                request.sampling, request.sampling.n or 1, detokenize=request.detokenize
+            )
+            handed = Handoff(decoded) if plain else None
             async for step in every_interval(self._decode(state, handed), interval):
                 finished = step.finished
                 state.handed_out = True
@@ -339,10 +342,11 @@ class MockAsyncEngine:
             raise EngineDead(f"engine is dead: {self._dead}")
 
     async def _decode(
-        self, state: _Request, decoded: TokenSink | None = None
+        self, state: _Request, handoff: Handoff | None = None
     ) -> AsyncGenerator[EngineStep, None]:
-        """The request's steps; with `decoded`, its plain decode steps after the first
-        yielded one go there (this generator runs only while its consumer waits on it)."""
+        """The request's steps; with `handoff`, its plain decode steps are offered to the
+        consumer's sink (this generator runs only while its consumer waits on it, and
+        buffers nothing: a refused step is yielded at once)."""
         request = state.request
         s = request.sampling
         cached = cached_prefix(self._cached_blocks, state.prompt, self._facts.block_size)
@@ -366,14 +370,16 @@ class MockAsyncEngine:
                     self.config.tokens_per_step, self._die_if_due
                 )
                 state.generated += len(new_ids)
-                if (
-                    decoded is not None
-                    and new_ids
-                    and sample.generated > len(new_ids)
+                if not (
+                    handoff is not None
                     and finish is None
+                    and handoff.offer(
+                        new_ids,
+                        started=sample.generated > len(new_ids),
+                        waiting=True,
+                        buffered=False,
+                    )
                 ):
-                    decoded(new_ids)
-                else:
                     yield self._step(state, sample, new_ids, text, finish, stop_reason, cached)
                 if finish is not None:
                     active.remove(sample)

@@ -53,7 +53,7 @@ class VllmEngineServicer(ContractServicer, pb_grpc.VllmEngineServicer):
             first = False
             return (message,)
 
-        async with self._requests.run(generation) as flight:
+        async with self._requests.run(generation, direct=self._direct(context)) as flight:
             async for message in flight.messages(render):
                 yield message
 

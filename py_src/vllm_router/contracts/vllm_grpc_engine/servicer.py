@@ -38,7 +38,8 @@ class VllmGrpcServicer(ContractServicer, vpb_grpc.VllmEngineServicer):
         generation = convert.to_generation_request(request, self._engine.facts, trace)
         sampling = generation.sampling
         tops = (max(sampling.logprobs or 0, 0), max(sampling.prompt_logprobs or 0, 0))
-        async with self._requests.run(generation) as flight:
+        direct = self._direct(context) if request.stream else None
+        async with self._requests.run(generation, direct=direct) as flight:
             if request.stream:
                 async for message in flight.messages(self._stream_renderer(*tops)):
                     yield message

@@ -55,7 +55,7 @@ class NativeInferenceServicer(ContractServicer, npb_grpc.InferenceServicer):
     ) -> AsyncIterator[npb.GenerateResponse]:
         generation = await self._generation(request, context)
         render = self._stream_renderer(Wanted.of(request.response), generation.prompt_token_ids)
-        async with self._requests.run(generation) as flight:
+        async with self._requests.run(generation, direct=self._direct(context)) as flight:
             async for message in flight.messages(render):
                 yield message
 

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 from prometheus_client.registry import Collector
 
 from ...errors import EngineDead, NotConfigured
+from ..handoff import TokenSink, hands_over
 from ..protocol import PauseMode
 from ..types import (
     Embedding,
@@ -28,7 +29,6 @@ from ..types import (
     LoraAdapter,
     ModelFacts,
     RankLoad,
-    TokenSink,
     one_plain_sample,
 )
 from .compat import (
@@ -380,7 +380,8 @@ class VllmEngine:
         )
         self._work_arrives()
         if self.lean_outputs and one_plain_sample(options, params.n):
-            return lean_steps(self._llm, call, self.fast_outputs, decoded)
+            handed = hands_over(options, params.n, detokenize=request.detokenize)
+            return lean_steps(self._llm, call, self.fast_outputs, decoded if handed else None)
         return request_output_steps(self._llm, call, options)
 
     async def _media_steps(

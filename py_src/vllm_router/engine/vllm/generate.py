@@ -13,7 +13,8 @@ from collections.abc import AsyncGenerator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..types import EngineStep, SamplingOptions, TokenSink
+from ..handoff import TokenSink
+from ..types import EngineStep, SamplingOptions
 from .fast_outputs import FastOutputs
 from .lean import LeanStream
 from .params import convert_logprobs, convert_prompt_logprobs, finish_of, reraise

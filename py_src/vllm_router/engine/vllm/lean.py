@@ -21,7 +21,8 @@ import asyncio
 import logging
 from typing import Any
 
-from ..types import EngineStep, TokenSink
+from ..handoff import Handoff, TokenSink
+from ..types import EngineStep
 from .params import finish_of
 
 logger = logging.getLogger(__name__)
@@ -36,13 +37,11 @@ class LeanStream:
         "_error_detail",
         "_failed",
         "_finish",
+        "_handoff",
         "_interval",
         "_kv_transfer_params",
-        "_last_token",
-        "_produced",
         "_prompt_tokens",
         "_request_id",
-        "_sink",
         "_started",
         "_state",
         "_stop_reason",
@@ -61,19 +60,19 @@ class LeanStream:
         decoded: TokenSink | None = None,
     ) -> None:
         """Takes over `state`; None: vLLM already dropped it (see `absorb`). `decoded`:
-        where plain decode steps go while the consumer waits (AsyncEngine.generate)."""
+        where plain decode steps are offered while the consumer waits (handoff.py)."""
         self._request_id = request_id
         self._state = state
         self._prompt_tokens = prompt_tokens
-        self._produced = 0
-        self._last_token: int | None = None
         # vLLM's rule, per request: the first tokens at once, then every `interval`
         # tokens, the finish at once (RequestState.stream_interval folds in the
         # engine-wide --stream-interval).
         self._interval: int = max(1, state.stream_interval) if state is not None else 1
         self._detokenizer = state.detokenizer if detokenize and state is not None else None
-        # Handing steps over is only for token-only requests streamed at every step.
-        self._sink = decoded if self._detokenizer is None and self._interval == 1 else None
+        # Handing steps over is only for token-only requests streamed at every step (the
+        # engine-wide --stream-interval included, which the request's options do not say).
+        plain = self._detokenizer is None and self._interval == 1
+        self._handoff = Handoff(decoded if plain else None)
         self._token_ids: list[int] = []
         self._text: list[str] = []
         self._finish: Any = None  # vLLM's FinishReason (or its string form) once finished
@@ -93,21 +92,14 @@ class LeanStream:
         return self._finish is not None
 
     def decode_step(self, new_token_ids: list[int]) -> None:
-        """A plain decode step (fast_outputs.py): to the consumer's sink while it waits
-        with nothing buffered (its earlier tokens all taken), else buffered as any step."""
-        sink = self._sink
-        if (
-            sink is not None
-            and self._waiter is not None
-            and self._started
-            and not self._token_ids
-            and new_token_ids
-            and not self._failed
+        """A plain decode step (fast_outputs.py): offered to the consumer's sink by the
+        hand-off rule (handoff.py), else buffered as any step."""
+        if self._failed or not self._handoff.offer(
+            new_token_ids,
+            started=self._started,
+            waiting=self._waiter is not None,
+            buffered=bool(self._token_ids),
         ):
-            self._produced += len(new_token_ids)
-            self._last_token = new_token_ids[-1]
-            sink(new_token_ids)
-        else:
             self._on_output(new_token_ids, None, None, None)
 
     def _on_output(
@@ -201,11 +193,10 @@ class LeanStream:
             raise self._error
         token_ids = self._token_ids
         self._token_ids = []
-        self._produced += len(token_ids)
-        if token_ids:
-            self._last_token = token_ids[-1]
+        handoff = self._handoff
+        handoff.count(token_ids)
         finish, stop_reason, error = finish_of(
-            self._finish, self._stop_reason, self._last_token, self._error_detail
+            self._finish, self._stop_reason, handoff.last_token, self._error_detail
         )
         step = EngineStep(
             token_ids=token_ids,
@@ -214,7 +205,7 @@ class LeanStream:
             finish_reason=finish,
             stop_reason=stop_reason,
             prompt_tokens=self._prompt_tokens,
-            completion_tokens=self._produced,
+            completion_tokens=handoff.produced,
             cached_tokens=self._state.num_cached_tokens if self._state is not None else 0,
             kv_transfer_params=self._kv_transfer_params,
             error=error,

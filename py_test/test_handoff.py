@@ -1,0 +1,217 @@
+"""The decode-step hand-off (engine/handoff.py) and a stream's direct sends (core/flight.py),
+without vLLM or gRPC: when a step goes to the sink, when it is buffered, how it is counted,
+and what a refused step becomes (merged into the next step the consumer takes, in order)."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from dataclasses import replace
+from typing import Any
+
+import pytest
+from test_lean_stream import output, state
+
+from vllm_router.core.flight import Flight
+from vllm_router.engine import EngineStep, Handoff, SamplingOptions, hands_over
+from vllm_router.engine.vllm.lean import LeanStream
+
+
+class Sink:
+    """A sink that takes what it is offered, or refuses while `refusing`."""
+
+    def __init__(self) -> None:
+        self.taken: list[list[int]] = []
+        self.offers = 0
+        self.refusing = False
+
+    def __call__(self, token_ids: list[int]) -> bool:
+        self.offers += 1
+        if self.refusing:
+            return False
+        self.taken.append(token_ids)
+        return True
+
+
+@pytest.mark.parametrize(
+    ("started", "waiting", "buffered"), list(itertools.product((True, False), repeat=3))
+)
+def test_a_step_is_offered_only_once_started_while_the_consumer_waits_with_nothing_buffered(
+    started: bool, waiting: bool, buffered: bool
+) -> None:
+    sink = Sink()
+    handoff = Handoff(sink)
+    taken = handoff.offer([5, 6], started=started, waiting=waiting, buffered=buffered)
+    allowed = started and waiting and not buffered
+    assert taken is allowed and sink.offers == int(allowed)
+    assert (handoff.produced, handoff.last_token) == ((2, 6) if allowed else (0, None))
+
+
+def test_an_empty_step_or_no_sink_is_never_offered() -> None:
+    sink = Sink()
+    assert not Handoff(sink).offer([], started=True, waiting=True, buffered=False)
+    assert not Handoff(None).offer([1], started=True, waiting=True, buffered=False)
+    assert sink.offers == 0
+
+
+def test_a_refused_step_is_not_counted_a_taken_one_and_a_yielded_one_are() -> None:
+    sink = Sink()
+    handoff = Handoff(sink)
+    handoff.count([1])  # the first step, yielded
+    sink.refusing = True
+    assert not handoff.offer([2], started=True, waiting=True, buffered=False)
+    assert handoff.produced == 1  # the engine buffers it: counted when yielded
+    handoff.count([2])
+    sink.refusing = False
+    assert handoff.offer([3, 4], started=True, waiting=True, buffered=False)
+    assert (handoff.produced, handoff.last_token, sink.taken) == (4, 4, [[3, 4]])
+
+
+PLAIN = SamplingOptions(max_tokens=8)
+
+
+@pytest.mark.parametrize(
+    ("options", "samples", "detokenize", "expected"),
+    [
+        (PLAIN, 1, False, True),
+        (PLAIN, 1, True, False),  # text: each step carries a text delta
+        (PLAIN, 2, False, False),  # several samples
+        (replace(PLAIN, logprobs=0), 1, False, False),
+        (replace(PLAIN, logprob_token_ids=(3,)), 1, False, False),
+        (replace(PLAIN, prompt_logprobs=1), 1, False, False),
+        (replace(PLAIN, stream_interval=4), 1, False, False),
+        (replace(PLAIN, stream_interval=1), 1, False, True),
+    ],
+    ids=[
+        "plain",
+        "text",
+        "n=2",
+        "logprobs",
+        "token logprobs",
+        "prompt logprobs",
+        "interval 4",
+        "interval 1",
+    ],
+)
+def test_only_plain_token_only_requests_streamed_at_every_step_hand_over(
+    options: SamplingOptions, samples: int, detokenize: bool, expected: bool
+) -> None:
+    assert hands_over(options, samples, detokenize=detokenize) is expected
+
+
+# -- LeanStream (the vLLM adapter) under the rule ----------------------------------------------
+
+
+async def test_lean_stream_hands_over_only_while_its_consumer_waits_and_merges_refusals() -> None:
+    s, sink = state(), Sink()
+    stream = LeanStream("r", s, detokenize=False, prompt_tokens=5, decoded=sink)
+    stream.decode_step([1])  # before the consumer took its first step: buffered
+    first = await stream.next_step()
+    assert (first.token_ids, first.completion_tokens, sink.offers) == ([1], 1, 0)
+
+    stream.decode_step([2])  # nobody waits: buffered, never offered
+    waiting = asyncio.ensure_future(stream.next_step())
+    assert (await asyncio.wait_for(waiting, 1)).token_ids == [2] and sink.offers == 0
+
+    waiting = asyncio.ensure_future(stream.next_step())
+    await asyncio.sleep(0)
+    stream.decode_step([3])  # the consumer waits with nothing buffered: taken
+    stream.decode_step([4])
+    assert sink.taken == [[3], [4]] and not waiting.done()
+
+    sink.refusing = True
+    stream.decode_step([5])  # refused: buffered, and the consumer woken for it
+    stream.decode_step([6])  # arrives before the consumer ran: merged, not offered
+    assert sink.offers == 3
+    merged = await asyncio.wait_for(waiting, 1)
+    assert (merged.token_ids, merged.completion_tokens) == ([5, 6], 6)
+
+    sink.refusing = False
+    waiting = asyncio.ensure_future(stream.next_step())
+    await asyncio.sleep(0)
+    stream.decode_step([7])
+    output(s, [8], finish="length")  # the last step is never offered
+    last = await asyncio.wait_for(waiting, 1)
+    assert (last.token_ids, last.finish_reason, last.completion_tokens) == ([8], "length", 8)
+    assert sink.taken == [[3], [4], [7]]
+
+
+# -- Flight: a stream's direct sends ---------------------------------------------------------
+
+
+class Transport:
+    """A DirectSend: records what it took, or refuses (the client's window is full)."""
+
+    def __init__(self) -> None:
+        self.sent: list[Any] = []
+        self.full = False
+
+    def __call__(self, message: Any) -> bool:
+        if self.full:
+            return False
+        self.sent.append(message)
+        return True
+
+
+def step(token_ids: list[int], completion: int, finished: bool = False) -> EngineStep:
+    return EngineStep(
+        token_ids=token_ids,
+        text="",
+        finished=finished,
+        finish_reason="length" if finished else None,
+        prompt_tokens=5,
+        completion_tokens=completion,
+        cached_tokens=2,
+    )
+
+
+async def engine_steps(*steps: EngineStep) -> Any:
+    for one in steps:
+        yield one
+
+
+def render(one: EngineStep) -> tuple[tuple[list[int], int, int, int]]:
+    return ((one.token_ids, one.prompt_tokens, one.completion_tokens, one.cached_tokens),)
+
+
+async def test_a_flight_sends_decode_steps_itself_with_their_usage_after_its_first_message() -> (
+    None
+):
+    flight, transport = Flight("r", None), Transport()
+    sink = flight.sink(transport)
+    assert not sink([1])  # no message sent yet: the task sends the first
+    flight.begin(engine_steps(step([1], 1), step([4], 4, finished=True)))
+    messages = flight.messages(render)
+    assert await messages.__anext__() == ([1], 5, 1, 2)  # the first step, from the task
+    assert sink([2]) and sink([3])  # decode steps: rendered and sent from the engine's loop
+    assert transport.sent == [([2], 5, 2, 2), ([3], 5, 3, 2)]
+    transport.full = True
+    assert not sink([4])  # refused: the engine buffers it, the task sends it
+    assert transport.sent == [([2], 5, 2, 2), ([3], 5, 3, 2)]
+    assert [m async for m in messages] == [([4], 5, 4, 2)]
+
+
+async def test_a_decode_step_that_renders_to_more_than_one_message_is_left_to_the_task() -> None:
+    flight, transport = Flight("r", None), Transport()
+    sink = flight.sink(transport)
+    flight.begin(engine_steps(step([1], 1)))
+    messages = flight.messages(lambda one: (one.token_ids, one.token_ids))
+    await messages.__anext__()
+    assert not sink([2]) and transport.sent == []
+
+
+async def test_a_direct_send_that_fails_never_raises_into_the_engine() -> None:
+    """It runs inside the engine's output loop: a render that raises (a bug) is refused, so
+    the task renders the step again and its error reaches the client, not the engine."""
+    flight, transport = Flight("r", None), Transport()
+    sink = flight.sink(transport)
+    flight.begin(engine_steps(step([1], 1)))
+
+    def render_first_only(one: EngineStep) -> tuple[list[int]]:
+        if one.completion_tokens > 1:
+            raise KeyError("a bug")
+        return (one.token_ids,)
+
+    messages = flight.messages(render_first_only)
+    await messages.__anext__()
+    assert not sink([2]) and transport.sent == []
