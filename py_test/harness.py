@@ -89,6 +89,15 @@ class Borrowed:
         pass
 
 
+def without_load(message: Any) -> Any:
+    """`message` without the worker's load it may carry (GenerateStream's first and last
+    messages: it differs run to run), kept as whether it is there."""
+    if "metrics" in message.DESCRIPTOR.fields_by_name and message.HasField("metrics"):
+        message.metrics.Clear()
+        message.metrics.SetInParent()
+    return message
+
+
 class DirectCount:
     """How many plain decode steps this process's flights sent directly, and how many the
     transport refused (the `direct_count` fixture counts them)."""

@@ -20,7 +20,17 @@ from vllm_router.proto import vllm_native_pb2 as npb
 from vllm_router.proto import vllm_native_pb2_grpc as npb_grpc
 from vllm_router.server import ServerConfig
 
-from harness import DirectCount, Harness, StartServer, delta, read_rest, request, scrape, wait_until
+from harness import (
+    DirectCount,
+    Harness,
+    StartServer,
+    delta,
+    read_rest,
+    request,
+    scrape,
+    wait_until,
+    without_load,
+)
 
 pytestmark = pytest.mark.usefixtures("native_installed")
 
@@ -71,21 +81,12 @@ async def _streams(harness: Harness) -> dict[str, list[Any]]:
     }
     streams: dict[str, list[Any]] = {}
     for name, call in calls.items():
-        streams[name] = [_without_load(m) async for m in call]  # type: ignore[attr-defined]
+        streams[name] = [without_load(m) async for m in call]  # type: ignore[attr-defined]
     return streams
 
 
 async def _all_ended(harness: Harness) -> None:
     await wait_until(lambda: not harness.server.requests.in_flight, what="the table empty")
-
-
-def _without_load(message: Any) -> Any:
-    """GenerateStream's first and last messages carry the worker's load at that moment,
-    which differs run to run: kept as whether it is there."""
-    if "metrics" in message.DESCRIPTOR.fields_by_name and message.HasField("metrics"):
-        message.metrics.Clear()
-        message.metrics.SetInParent()
-    return message
 
 
 async def test_every_contracts_stream_is_the_same_with_direct_sends(

@@ -36,6 +36,7 @@ from harness import (
     require,
     start_harness,
     wait_until,
+    without_load,
 )
 from routers import CHAT, COMPLETIONS, ask, chat, drop_mid_stream
 
@@ -126,19 +127,11 @@ def _calls(channel: grpc.aio.Channel, name: str, sampling: dict[str, Any]) -> di
     }
 
 
-def _without_load(message: Any) -> Any:
-    """The worker's load on GenerateStream's first and last messages varies run to run."""
-    if "metrics" in message.DESCRIPTOR.fields_by_name and message.HasField("metrics"):
-        message.metrics.Clear()
-        message.metrics.SetInParent()
-    return message
-
-
 async def _answers(harness: Harness) -> dict[str, list[Any]]:
     answers: dict[str, list[Any]] = {}
     for name, sampling in SAMPLINGS.items():
         for contract, call in _calls(harness.channel, name, sampling).items():
-            answers[f"{name}, {contract}"] = [_without_load(m) async for m in call]
+            answers[f"{name}, {contract}"] = [without_load(m) async for m in call]
     return answers
 
 

@@ -179,9 +179,7 @@ def _native_module() -> ModuleType:
             f"{version}: this worker replaces that release's stream send path (a slow-reader "
             f"bug); install {NATIVE_VERSION} ({NATIVE_INSTALL}) or use --transport grpcio"
         )
-    missing = _missing_touch_points(aio)
-    if not isinstance(getattr(package, "STREAM_SENT", None), int):  # what a direct send reads
-        missing.append("STREAM_SENT")
+    missing = _missing_touch_points(package, aio)
     if missing:
         raise StartupError(
             f"--transport native: {NATIVE_DISTRIBUTION} {version} lacks what this worker's "
@@ -190,8 +188,9 @@ def _native_module() -> ModuleType:
     return aio
 
 
-def _missing_touch_points(aio: ModuleType) -> list[str]:
-    """What `_polling_send_server` relies on in pygrpc_native.aio and does not find there."""
+def _missing_touch_points(package: ModuleType, aio: ModuleType) -> list[str]:
+    """What `_polling_send_server` and `direct_sender` rely on in pygrpc_native and do not
+    find there."""
     server = getattr(aio, "Server", None)
     if not (isinstance(server, type) and issubclass(server, grpc.aio.Server)):
         return ["aio.Server, a grpc.aio.Server"]
@@ -210,6 +209,8 @@ def _missing_touch_points(aio: ModuleType) -> list[str]:
     for name in ("STREAM_FULL", "STREAM_CLOSED"):
         if not isinstance(getattr(aio, name, None), int):
             missing.append(name)
+    if not isinstance(getattr(package, "STREAM_SENT", None), int):
+        missing.append("STREAM_SENT")
     # The context attribute the override sets, as upstream's _send does: its __init__
     # stores it (an attribute store names it in the code object's co_names).
     init = getattr(getattr(aio, "_Context", None), "__init__", None)
@@ -225,9 +226,21 @@ def _missing_touch_points(aio: ModuleType) -> list[str]:
 def _polling_send_server(aio: ModuleType) -> type[grpc.aio.Server]:
     """pygrpc-native's server with a send that never blocks a thread (see the module doc)."""
     full, closed = aio.STREAM_FULL, aio.STREAM_CLOSED
+    sent_now = importlib.import_module("pygrpc_native").STREAM_SENT
     base: Any = aio.Server  # a class known only once the optional package is imported
 
     class PollingSendServer(base):
+        def send_now(self, call: Any, context: Any, response: Any) -> bool:
+            """A direct send (`direct_sender`): True if the transport took `response` at
+            once; False if the client's window is full or the stream has ended (or the
+            message could not be encoded, which fails the call itself)."""
+            if context._closed:
+                return False
+            data = self._encode(call, context, response)
+            return data is not None and bool(
+                self._front.stream_try_send(call.call_id, data) == sent_now
+            )
+
         async def _send(self, call: Any, context: Any, response: Any) -> bool:
             data = self._encode(call, context, response)
             if data is None:  # not encodable or over the send limit: the call was failed
@@ -260,25 +273,13 @@ def direct_sender(
     on the native transport with direct sends on, for its own stream contexts; else none."""
     if config.transport != NATIVE or not config.direct_sends:
         return _no_direct_send
-    aio = _native_module()
-    context_class: type = aio._Context
-    sent_code = importlib.import_module("pygrpc_native").STREAM_SENT
+    context_class: type = _native_module()._Context
 
     def direct_send(context: grpc.aio.ServicerContext) -> DirectSend | None:
         if type(context) is not context_class:  # e.g. a reflection call on the fallback
             return None
         native: Any = context
-        server, call = native._server, native._call
-        front, encode, call_id = server._front, server._encode, call.call_id
-
-        def send(message: Any) -> bool:
-            if native._closed:
-                return False
-            # Encoding fails the call itself (an unencodable or oversized message).
-            data = encode(call, native, message)
-            return data is not None and bool(front.stream_try_send(call_id, data) == sent_code)
-
-        return send
+        return functools.partial(native._server.send_now, native._call, native)
 
     return direct_send
 

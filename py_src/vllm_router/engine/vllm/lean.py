@@ -69,10 +69,9 @@ class LeanStream:
         # engine-wide --stream-interval).
         self._interval: int = max(1, state.stream_interval) if state is not None else 1
         self._detokenizer = state.detokenizer if detokenize and state is not None else None
-        # Handing steps over is only for token-only requests streamed at every step (the
-        # engine-wide --stream-interval included, which the request's options do not say).
-        plain = self._detokenizer is None and self._interval == 1
-        self._handoff = Handoff(decoded if plain else None)
+        # The adapter passes `decoded` only for requests that hand over (handoff.hands_over);
+        # the engine-wide --stream-interval, which their options do not say, is known here.
+        self._handoff = Handoff(decoded if self._interval == 1 else None)
         self._token_ids: list[int] = []
         self._text: list[str] = []
         self._finish: Any = None  # vLLM's FinishReason (or its string form) once finished
