@@ -127,6 +127,43 @@ def _calls(channel: grpc.aio.Channel, name: str, sampling: dict[str, Any]) -> di
     }
 
 
+# Per-message content of the three contracts' stream messages; the rest of a message (ids,
+# finish, usage totals, prompt facts) is compared whole.
+_CONTENT = ("token_ids", "output_ids", "text_delta", "text", "num_tokens")
+
+
+def _said(messages: list[Any]) -> tuple[list[int], str, list[str]]:
+    """A stream as its client reads it: every token id and all the text in order, and
+    each message with its content (and vLLM's per-chunk count) cleared, repeats dropped."""
+    tokens: list[int] = []
+    text: list[str] = []
+    shapes: list[str] = []
+    for message in messages:
+        parts = [message]
+        if "chunk" in message.DESCRIPTOR.fields_by_name:  # vllm.grpc.engine: one of two
+            kind = message.WhichOneof("response")
+            parts = [getattr(message, kind)]
+            if kind == "chunk":
+                parts[0].completion_tokens = 0  # a delta: what the steps merged into
+        if "outputs" in message.DESCRIPTOR.fields_by_name and message.HasField("outputs"):
+            parts.append(message.outputs)  # vllm.Inference: a sequence's step
+        for part in parts:
+            if "token_ids" in part.DESCRIPTOR.fields_by_name:
+                tokens += part.token_ids
+            for name in ("text_delta", "text"):
+                if name in part.DESCRIPTOR.fields_by_name:
+                    text.append(getattr(part, name))
+            for name in _CONTENT:
+                if name in part.DESCRIPTOR.fields_by_name:
+                    part.ClearField(name)
+            if "usage" in part.DESCRIPTOR.fields_by_name and not message.is_finished:
+                part.usage.completion_tokens = 0  # cumulative: as of the merged steps
+        shape = str(message)
+        if not shapes or shapes[-1] != shape:
+            shapes.append(shape)
+    return tokens, "".join(text), shapes
+
+
 async def _answers(harness: Harness) -> dict[str, list[Any]]:
     answers: dict[str, list[Any]] = {}
     for name, sampling in SAMPLINGS.items():
@@ -143,7 +180,9 @@ async def test_every_contract_answers_on_native_as_on_grpcio(
     assert direct_count.sent == 0
     on_native = await _answers(real_native)
     for case, messages in on_grpcio.items():
-        assert on_native[case] == messages, case
+        # Where one message ends and the next begins is timing (a task that lags on a busy
+        # machine is handed merged steps), so each stream is compared as what it says.
+        assert _said(on_native[case]) == _said(messages), case
         assert len(messages) > 10, case
     # Every plain request's decode steps went straight from vLLM's output loop: all but
     # each stream's first and last (3 of the 4 samplings, 3 contracts).
