@@ -144,8 +144,10 @@ tiny-model: $(VENV)/.serve-installed
 real-model: $(VENV)/.real-model-installed
 	$(BIN)/python -m vllm_router.testing.real_model $(REAL_MODEL_DIR)
 
+# The 25 slowest tests are listed at the end: the suite must stay under 30 minutes on CI's
+# 2-core machines, and this says where its time goes.
 test: install
-	$(CPU_ENV) VLLM_SERVICER_REQUIRE_ALL=1 $(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(CPU_ENV) VLLM_SERVICER_REQUIRE_ALL=1 $(BIN)/python -m pytest --durations=25 $(PYTEST_ARGS)
 
 # The inner loop: everything that runs without vLLM (the mock engine, conversions, the
 # structure and field-coverage tests, fuzzers, security, limits), in a venv of its own with
