@@ -48,6 +48,17 @@ def test_stubs_are_not_tracked_by_git() -> None:
     assert tracked and not [p for p in tracked if "_pb2" in p], tracked
 
 
+def test_no_packages_archives_or_large_files_are_tracked() -> None:
+    """Tools are installed by the Makefile, never committed (a 2.9 MB py-spy wheel once was,
+    by accident, and went into every clone)."""
+    tracked = subprocess.run(
+        ["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.split()
+    packaged = [p for p in tracked if p.endswith((".whl", ".tar.gz", ".zip", ".so", ".egg"))]
+    large = [p for p in tracked if (ROOT / p).is_file() and (ROOT / p).stat().st_size > 512_000]
+    assert tracked and not packaged and not large, (packaged, large)
+
+
 def test_proto_is_registered_under_a_package_qualified_name() -> None:
     # Another project's `vllm_engine.proto` (vLLM's own gRPC stubs) can live in the same process.
     from vllm_router.proto import vllm_engine_pb2
