@@ -9,7 +9,6 @@ vLLM's native contract and, kv_aware, follows the ranks' own KV-event publishers
 from __future__ import annotations
 
 import asyncio
-import socket
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -28,25 +27,11 @@ import native_servers
 import real_engine
 import routers
 from harness import Harness, real_engine_idle, request, require, start_harness, wait_until
+from vllm_servers import free_port
 
 pytestmark = pytest.mark.vllm
 
 DP = 2
-
-
-def _two_free_ports() -> int:
-    """A port p with p + 1 free as well (vLLM's rank r publishes on p + r)."""
-    for _ in range(50):
-        with socket.socket() as first:
-            first.bind(("127.0.0.1", 0))
-            port = first.getsockname()[1]
-            with socket.socket() as second:
-                try:
-                    second.bind(("127.0.0.1", port + 1))
-                except OSError:
-                    continue
-        return port
-    raise AssertionError("no two adjacent free ports")
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
@@ -56,7 +41,7 @@ async def dp2() -> AsyncIterator[Harness]:
     kv_events = {
         "enable_kv_cache_events": True,
         "publisher": "zmq",
-        "endpoint": f"tcp://*:{_two_free_ports()}",
+        "endpoint": f"tcp://*:{free_port(run=DP)}",  # rank r publishes on port + r
     }
     flags = {**real_engine.BASE_FLAGS, "data_parallel_size": DP, "kv_events_config": kv_events}
     engine = real_engine.start_engine(model, flags)

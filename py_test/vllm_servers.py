@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -21,10 +22,41 @@ from real_engine import cli_flags
 START_TIMEOUT = 300
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _ephemeral_ports() -> range:
+    """The kernel's range for connect() and bind(0) (Linux: ip_local_port_range)."""
+    try:
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        low, high = 32768, 60999  # Linux's default
+    return range(low, high + 1)
+
+
+_handed_out: set[int] = set()
+
+
+def free_port(run: int = 1) -> int:
+    """The first of `run` adjacent ports free now, for a server told its port on the command
+    line. Not from the ephemeral range (what bind(0) gives): any connect() or bind(0) may take
+    such a port before the server binds it, and vllm-rs binds its listener only once its engine
+    is up, seconds later (a CI run lost a port that way: "Address already in use"). Not handed
+    out before in this session either."""
+    ephemeral = _ephemeral_ports()
+    low, high = (10_000, ephemeral.start) if ephemeral.start > 20_000 else (ephemeral.stop, 65_536)
+    for _ in range(500):
+        port = random.randrange(low, high - run)
+        ports = range(port, port + run)
+        if _handed_out.intersection(ports):
+            continue
+        try:
+            with contextlib.ExitStack() as held:
+                for candidate in ports:
+                    sock = held.enter_context(socket.socket())
+                    sock.bind(("127.0.0.1", candidate))
+        except OSError:
+            continue
+        _handed_out.update(ports)
+        return port
+    raise AssertionError(f"no {run} adjacent free port(s) in {low}-{high}")
 
 
 class VllmHttpError(AssertionError):
