@@ -150,10 +150,14 @@ async def test_client_disconnect_mid_stream_leaves_nothing_running(
     body = {"model": str(real.model_dir), "stream": True, "ignore_eos": True,
             **chat("Keep going", max_tokens=200, temperature=0)}  # fmt: skip
 
-    generated = await drop_mid_stream(router_ours, body, real)
+    dropped = await drop_mid_stream(router_ours, body, real)
     # Stopped early: the hang-up reached the engine, which did not run the request out.
-    figures(f"client hung up after 4 lines: the worker generated {generated} of 200 tokens")
-    assert generated < 200 // 2, generated
+    figures(
+        f"client hung up after 4 lines: the worker generated {dropped.generated} of 200 "
+        f"tokens, {dropped.at_hang_up} of them before the hang-up"
+    )
+    assert dropped.generated - dropped.at_hang_up < 200 // 2, dropped
+    assert dropped.generated < 200, dropped
     await wait_until(lambda: real_engine_idle(real), 5.0, "the engine to abort the request")
     after = await real.stub.GetLoads(pb.GetLoadsRequest())
     assert after.requests_in_flight == 0 and after.ranks[0].running_requests == 0
