@@ -157,9 +157,10 @@ class Dropped(NamedTuple):
 async def drop_mid_stream(base: str, body: dict, harness: Harness, attempts: int = 3) -> Dropped:
     """Stream a chat through the router to `harness`'s worker, read its first lines and hang
     up, checking the request was in flight on the worker meanwhile; wait for the engine to
-    stop and say how many tokens the worker generated for it, and how many of them before
-    the hang-up. A starved client can hang up only after the tiny model has produced most
-    of the answer, which then says nothing of the hang-up: that round is run again."""
+    stop, check it stopped short (under half the answer after the hang-up) and say how many
+    tokens the worker generated for it, and how many of them before the hang-up. A starved
+    client can hang up only after the tiny model has produced most of the answer, which then
+    says nothing of the hang-up: that round is run again."""
     metrics = harness.server.metrics
     assert metrics is not None, "the harness records no metrics (metrics_port)"
     asked = body["max_tokens"]
@@ -198,6 +199,9 @@ async def drop_mid_stream(base: str, body: dict, harness: Harness, attempts: int
             await asyncio.sleep(0.02)
         dropped = Dropped(int(generated() - before), at_hang_up)
         if at_hang_up < asked // 2:
+            # The hang-up reached the engine, which did not run the request out.
+            assert dropped.generated - at_hang_up < asked // 2, dropped
+            assert dropped.generated < asked, dropped
             return dropped
     raise AssertionError(f"in {attempts} rounds the client hung up only late: {dropped}")
 

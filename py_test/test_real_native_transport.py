@@ -298,9 +298,6 @@ async def _leaving(real: Harness, real_native: Harness, base: str) -> int:
     body = {"model": str(real.model_dir), "stream": True, "ignore_eos": True,
             **chat("Keep going", max_tokens=200, temperature=0)}  # fmt: skip
     dropped = await drop_mid_stream(base, body, real_native)
-    # The hang-up reached the engine, which did not run the request out.
-    assert dropped.generated - dropped.at_hang_up < 200 // 2, dropped
-    assert dropped.generated < 200, dropped
     await wait_until(lambda: real_engine_idle(real), 10.0, "the engine to abort the request")
     await wait_until(lambda: not real_native.server.requests.in_flight, 5.0, "the table empty")
     return dropped.generated
