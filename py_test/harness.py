@@ -185,8 +185,9 @@ async def collect_stream(
     return [message async for message in stub.GenerateStream(req, **kwargs)]
 
 
-async def read_rest(call: grpc.aio.UnaryStreamCall) -> list[pb.GenerateStreamResponse]:
-    """Read a stream to its end after earlier `read()` calls (iteration cannot be mixed in)."""
+async def read_rest(call: grpc.aio.UnaryStreamCall) -> list[Any]:
+    """Read a stream (of any message) to its end after earlier `read()` calls (iteration
+    cannot be mixed in)."""
     messages = []
     while (message := await call.read()) is not grpc.aio.EOF:
         messages.append(message)

@@ -164,6 +164,7 @@ async def drop_mid_stream(base: str, body: dict, harness: Harness, attempts: int
     metrics = harness.server.metrics
     assert metrics is not None, "the harness records no metrics (metrics_port)"
     asked = body["max_tokens"]
+    url = urllib.parse.urlparse(base)
 
     def generated() -> float:
         value = metrics.registry.get_sample_value("vllm_servicer:generated_tokens_total")
@@ -180,7 +181,6 @@ async def drop_mid_stream(base: str, body: dict, harness: Harness, attempts: int
                 await asyncio.sleep(0.001)
 
         before = generated()
-        url = urllib.parse.urlparse(base)
         watcher = asyncio.create_task(watch())
         client = await asyncio.create_subprocess_exec(
             sys.executable, "-c", _DROPPING_CLIENT, str(url.hostname), str(url.port), CHAT,

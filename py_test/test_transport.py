@@ -15,10 +15,8 @@ import re
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import grpc
 import pytest
@@ -343,7 +341,7 @@ async def test_what_ends_as_the_server_stops_reaches_the_client(
             lost.append(f"round {round_}: the answer: {err.code().name} {err.details()}")
         for service, watch in watches.items():
             try:
-                heard = [m.status async for m in _rest_of(watch)]
+                heard = [m.status for m in await read_rest(watch)]
                 if heard != [health_pb2.HealthCheckResponse.NOT_SERVING]:
                     lost.append(f"round {round_}: watch {service!r} heard {heard}")
             except grpc.aio.AioRpcError as err:
@@ -355,11 +353,6 @@ async def test_what_ends_as_the_server_stops_reaches_the_client(
         f"{transport_name}: {STOP_ROUNDS} servers stopped as their calls ended: every answer "
         f"and all {STOP_ROUNDS * len(CONTRACTS)} watches' goodbyes arrived"
     )
-
-
-async def _rest_of(call: grpc.aio.UnaryStreamCall) -> AsyncIterator[Any]:
-    while (message := await call.read()) is not grpc.aio.EOF:
-        yield message
 
 
 async def _messages_read_in(address: str, seconds: float) -> int:
@@ -544,8 +537,8 @@ def _failures(output: str, limit: int = 12_000) -> str:
 def test_the_mock_engine_suite_passes_on_native(figures) -> None:
     _require("native")
     files = [str(ROOT / "py_test" / name) for name in NATIVE_SUITE]
-    command = [sys.executable, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider", "-m"]
-    command.append("not vllm")
+    command = [sys.executable, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider",
+               "-m", "not vllm"]  # fmt: skip
     started = time.monotonic()
     result = subprocess.run(
         [*command, *files],

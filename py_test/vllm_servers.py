@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import random
@@ -22,6 +23,7 @@ from real_engine import cli_flags
 START_TIMEOUT = 300
 
 
+@functools.cache
 def _ephemeral_ports() -> range:
     """The kernel's range for connect() and bind(0) (Linux: ip_local_port_range)."""
     try:
