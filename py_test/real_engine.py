@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import json
 import os
@@ -134,8 +135,17 @@ def tiny_lora() -> Path:
     return target
 
 
-def start_engine(model: Path | str, engine_flags: dict[str, object] = ENGINE_FLAGS) -> VllmEngine:
-    """A VllmEngine over AsyncLLM; call inside the test session's event loop."""
+async def start_engine(
+    model: Path | str, engine_flags: dict[str, object] = ENGINE_FLAGS
+) -> VllmEngine:
+    """A VllmEngine over AsyncLLM, built in a thread: its start (20-60 s) would otherwise
+    hold the session's event loop, and the in-process workers on it would answer no one
+    (loop_watch.py). AsyncLLM starts its output loop on the first request, in this loop.
+
+    vLLM is imported here, not in the thread: an import running in that thread is kept
+    alive by something vLLM stores while it imports, and with it the thread's frames and
+    the engine they built, until the interpreter exits (where AsyncLLM's finalizer fails).
+    """
     from vllm.config import KVEventsConfig
     from vllm.engine.arg_utils import AsyncEngineArgs
 
@@ -144,4 +154,5 @@ def start_engine(model: Path | str, engine_flags: dict[str, object] = ENGINE_FLA
     flags: dict[str, Any] = dict(engine_flags)  # keyword arguments of AsyncEngineArgs
     if isinstance(flags.get("kv_events_config"), dict):
         flags["kv_events_config"] = KVEventsConfig(**flags["kv_events_config"])
-    return VllmEngine.from_engine_args(AsyncEngineArgs(model=str(model), **flags))
+    args = AsyncEngineArgs(model=str(model), **flags)
+    return await asyncio.to_thread(VllmEngine.from_engine_args, args)

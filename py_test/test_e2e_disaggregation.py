@@ -26,6 +26,7 @@ from smg_grpc_proto import vllm_engine_pb2_grpc as vpb_grpc
 import native_servers
 import routers
 import servers
+import shared_workers
 from harness import Harness, Samples, require, scrape
 from real_engine import ENGINE_FLAGS, cli_flags, require_vllm
 from routers import CHAT, COMPLETIONS, ask, chat
@@ -54,15 +55,30 @@ def connector_flags(store: Path) -> list[str]:
 
 
 class Worker:
-    """One of our workers as a process, with its metrics endpoint."""
+    """One of our workers as a process on a fixed port (a restart keeps its address, so the
+    routers configured with it find it again), with its metrics endpoint."""
 
-    def __init__(self, process: servers.ServerProcess, metrics_port: int) -> None:
-        self.process = process
-        self.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
+    def __init__(self, store: Path, model: Path) -> None:
+        self.store, self.model = store, model
+        self.port, self.metrics_port = free_port(), free_port()
+        self.metrics_url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        self.process: servers.ServerProcess | None = None
 
     @property
     def address(self) -> str:
-        return self.process.address
+        return f"127.0.0.1:{self.port}"
+
+    async def start(self) -> None:
+        self.process = await servers.start(
+            "--model", str(self.model), "--port", str(self.port),
+            "--metrics-port", str(self.metrics_port), *connector_flags(self.store),
+            "--enable-log-requests", timeout=300, env=ENGINE_ENV,
+        )  # fmt: skip
+
+    @property
+    def log(self) -> str:
+        assert self.process is not None
+        return "".join(self.process.log)
 
     async def by_source(self) -> dict[str, float]:
         """vllm:prompt_tokens_by_source, summed over this worker's engine."""
@@ -86,13 +102,18 @@ class Worker:
         return reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
-async def start_worker(store: Path, model: Path) -> Worker:
-    metrics_port = free_port()
-    process = await servers.start(
-        "--model", str(model), "--port", "0", "--metrics-port", str(metrics_port),
-        *connector_flags(store), "--enable-log-requests", timeout=300, env=ENGINE_ENV,
-    )  # fmt: skip
-    return Worker(process, metrics_port)
+async def routed(routers_bases: list[str], worker: Worker, timeout: float = 60.0) -> None:
+    """Until every router in `routers_bases` sees `worker` healthy again."""
+    url = f"grpc://{worker.address}"
+
+    def everywhere() -> bool:
+        return all(shared_workers.workers_seen(b).get(url) is True for b in routers_bases)
+
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not await asyncio.to_thread(everywhere):
+        assert loop.time() < deadline, f"the routers never took {url} back in {timeout:.0f} s"
+        await asyncio.sleep(0.5)
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
@@ -116,7 +137,8 @@ async def pd(real: Harness, tmp_path_factory: pytest.TempPathFactory) -> AsyncIt
     try:
         # Each one stopped below even when a later one fails to start.
         for store in (shared, shared, tmp_path_factory.mktemp("kv-elsewhere")):
-            workers.append(await start_worker(store, model))
+            workers.append(Worker(store, model))
+            await workers[-1].start()
         prefill, decode, lonely = workers
         async with (
             routers.smg_router_in_thread(
@@ -135,7 +157,8 @@ async def pd(real: Harness, tmp_path_factory: pytest.TempPathFactory) -> AsyncIt
                    "vllm_router_base": vllm_router_base}  # fmt: skip
     finally:
         for worker in workers:
-            await worker.process.stop()
+            if worker.process is not None:
+                await worker.process.stop()
 
 
 def cases(model: str, lead: str = "") -> list[tuple[str, str, dict[str, Any]]]:
@@ -213,7 +236,7 @@ async def test_kv_missing_on_the_decode_side_is_an_error_not_a_recompute(
     figures(f"KV missing on the decode side: HTTP {status} through the router after "
             f"{time.monotonic() - started:.1f}s, {code}")  # fmt: skip
     assert status >= 500, (status, answer)
-    log = "".join(lonely.process.log)
+    log = lonely.log
     assert "the prefill's KV is not in the store" in log and "KV load failed" in log
     after = await lonely.by_source()
     # It never computed the prompt itself.
@@ -247,7 +270,7 @@ async def test_corrupt_kv_fails_that_request_and_the_decode_worker_serves_on(
         answer = [m async for m in stub.Generate(request)]
     assert answer[-1].complete.finish_reason == "error", answer[-1]
     assert not answer[-1].complete.output_ids
-    assert "KV load failed" in "".join(decode.process.log)
+    assert "KV load failed" in decode.log
     assert await decode.serving()
 
 
@@ -274,21 +297,28 @@ def _request(request_id: str, ids: list[int], max_tokens: int) -> vpb.GenerateRe
 async def test_a_dead_prefill_worker_fails_requests_fast_and_decode_serves_on(
     pd: dict, real: Harness, figures
 ) -> None:
+    """The module's prefill worker is killed, then started again on its address and taken
+    back by every router in front of it: the module's other tests find it as they left it."""
     prefill: Worker = pd["prefill"]
     decode: Worker = pd["decode"]
+    assert prefill.process is not None
     prefill.process.kill()  # SIGKILL, engine core included
     await prefill.process.wait(30)
-    body = {"prompt": "Six. " + BODY, "max_tokens": 8, "temperature": 0.0,
-            "model": str(real.model_dir)}  # fmt: skip
-    before = await decode.by_source()
-    started = time.monotonic()
-    status, answer = await asyncio.wait_for(
-        asyncio.to_thread(routers.openai_post, pd["base"], COMPLETIONS, body), 60
-    )
-    code = answer.get("error", {}).get("code")
-    figures(f"prefill worker killed: HTTP {status} through the router after "
-            f"{time.monotonic() - started:.1f}s, {code}")  # fmt: skip
-    assert status >= 500
-    after = await decode.by_source()
-    assert after == before  # the decode side never started on it
-    assert await decode.serving()
+    try:
+        body = {"prompt": "Six. " + BODY, "max_tokens": 8, "temperature": 0.0,
+                "model": str(real.model_dir)}  # fmt: skip
+        before = await decode.by_source()
+        started = time.monotonic()
+        status, answer = await asyncio.wait_for(
+            asyncio.to_thread(routers.openai_post, pd["base"], COMPLETIONS, body), 60
+        )
+        code = answer.get("error", {}).get("code")
+        figures(f"prefill worker killed: HTTP {status} through the router after "
+                f"{time.monotonic() - started:.1f}s, {code}")  # fmt: skip
+        assert status >= 500
+        after = await decode.by_source()
+        assert after == before  # the decode side never started on it
+        assert await decode.serving()
+    finally:
+        await prefill.start()
+        await routed([pd["base"], pd["lonely_base"], pd["vllm_router_base"]], prefill)

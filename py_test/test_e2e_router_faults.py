@@ -15,6 +15,7 @@ Last, the API key: whether a router can send a bearer token to a gRPC worker.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import http.client
 import json
@@ -26,17 +27,18 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import pytest_asyncio
 
 import servers
 from harness import require
 from native_servers import vllm_router, vllm_router_path
 from real_engine import tiny_model
-from routers import CHAT, _running, smg_path, smg_router
+from routers import CHAT, _running, in_thread, smg_path, smg_router
 from vllm_servers import free_port
 
 pytestmark = pytest.mark.slow
@@ -330,18 +332,19 @@ def _installed(kind: str) -> bool:
     return (smg_path() if kind == "smg" else vllm_router_path()) is not None
 
 
-@pytest.fixture(scope="module", params=["smg", "vllm-router"])
-def fleet(request: pytest.FixtureRequest) -> Iterator[Fleet]:
+@pytest_asyncio.fixture(scope="module", loop_scope="session", params=["smg", "vllm-router"])
+async def fleet(request: pytest.FixtureRequest) -> AsyncIterator[Fleet]:
     """One router (request.param) in front of two mock workers, for every fault of the module:
-    a test leaves a worker down; the next one restarts it on the same address."""
+    a test leaves a worker down; the next one restarts it on the same address. Started in
+    threads, so that the session's loop keeps serving its in-process workers meanwhile."""
     kind: str = request.param
     require(_installed(kind), f"{kind} is not installed (make test)")
     workers = [Worker("A"), Worker("B")]
     log = tiny_model().parent / f"router-faults-{kind}.log"
     try:
         for worker in workers:
-            worker.start()
-        with _router(kind, [w.address for w in workers], log) as base:
+            await asyncio.to_thread(worker.start)
+        async with in_thread(_router(kind, [w.address for w in workers], log)) as base:
             yield Fleet(kind, base, workers, log)
     finally:
         for worker in workers:

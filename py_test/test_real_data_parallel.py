@@ -44,7 +44,7 @@ async def dp2() -> AsyncIterator[Harness]:
         "endpoint": f"tcp://*:{free_port(run=DP)}",  # rank r publishes on port + r
     }
     flags = {**real_engine.BASE_FLAGS, "data_parallel_size": DP, "kv_events_config": kv_events}
-    engine = real_engine.start_engine(model, flags)
+    engine = await real_engine.start_engine(model, flags)
     harness = await start_harness(engine, ServerConfig(port=0, shutdown_grace_seconds=5.0), model)
     try:
         yield harness
@@ -168,9 +168,13 @@ async def test_the_dp_aware_router_spreads_over_both_ranks_with_vllms_answers(
     assert all(answer[0] == 200 for answer in ours), ours
     assert sum(moved.values()) >= len(bodies)
     assert all(moved.get(str(rank), 0.0) >= 1 for rank in range(DP)), moved  # both ranks
-    with (
-        routers.vllm_grpc_server(model, flags, tmp_path / "vllm-grpc-dp.log") as worker,
-        routers.smg_router([worker], model, tmp_path / "router-dp-ref.log", "--dp-aware") as base,
+    async with (
+        routers.in_thread(
+            routers.vllm_grpc_server(model, flags, tmp_path / "vllm-grpc-dp.log")
+        ) as worker,
+        routers.in_thread(
+            routers.smg_router([worker], model, tmp_path / "router-dp-ref.log", "--dp-aware")
+        ) as base,
     ):
         theirs = [await routers.ask(base, routers.CHAT, body, False) for body in bodies]
     assert ours == theirs

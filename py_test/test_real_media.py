@@ -17,7 +17,7 @@ import base64
 import io
 import math
 import random
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -100,7 +100,7 @@ async def vlm() -> AsyncIterator[Harness]:
     """Our server on the tiny VLM (one engine for this module)."""
     real_engine.require_vllm()
     model = real_engine.tiny_vlm()
-    engine = real_engine.start_engine(model, real_engine.VLM_FLAGS)
+    engine = await real_engine.start_engine(model, real_engine.VLM_FLAGS)
     harness = await start_harness(engine, ServerConfig(port=0, shutdown_grace_seconds=5.0), model)
     try:
         yield harness
@@ -108,12 +108,14 @@ async def vlm() -> AsyncIterator[Harness]:
         await harness.close()
 
 
-@pytest.fixture(scope="module")
-def vlm_http() -> Iterator[str]:
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def vlm_http() -> AsyncIterator[str]:
     """vLLM's OpenAI server on the same model and engine flags."""
     real_engine.require_vllm()
-    with vllm_openai_server(
-        real_engine.tiny_vlm(), real_engine.VLM_FLAGS, log_name="vllm-vlm-openai.log"
+    async with routers.in_thread(
+        vllm_openai_server(
+            real_engine.tiny_vlm(), real_engine.VLM_FLAGS, log_name="vllm-vlm-openai.log"
+        )
     ) as base:
         yield base
 
@@ -412,14 +414,16 @@ async def test_memory_is_flat_over_many_image_requests(vlm: Harness, figures: An
 # -- the router ------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def vlm_grpc_reference() -> Iterator[str]:
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def vlm_grpc_reference() -> AsyncIterator[str]:
     """vLLM's own --grpc server on the tiny VLM, its in-process media processor on."""
     real_engine.require_vllm()
     model = real_engine.tiny_vlm()
     env = {"SMG_VLLM_MM_PROCESSOR": "inprocess"}
-    with routers.vllm_grpc_server(
-        model, real_engine.VLM_FLAGS, model.parent / "vllm-vlm-grpc.log", env
+    async with routers.in_thread(
+        routers.vllm_grpc_server(
+            model, real_engine.VLM_FLAGS, model.parent / "vllm-vlm-grpc.log", env
+        )
     ) as address:
         yield address
 
@@ -427,12 +431,14 @@ def vlm_grpc_reference() -> Iterator[str]:
 ROUTER_FLAGS = ("--mm-processing", "worker")
 
 
-@pytest.fixture(scope="module")
-def vlm_router_reference(vlm_grpc_reference: str) -> Iterator[str]:
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def vlm_router_reference(vlm_grpc_reference: str) -> AsyncIterator[str]:
     require(routers.smg_path() is not None, "smg is not installed (make test)")
     model = real_engine.tiny_vlm()
     log = model.parent / "router-vlm-ref.log"
-    with routers.smg_router([vlm_grpc_reference], model, log, *ROUTER_FLAGS) as base:
+    async with routers.in_thread(
+        routers.smg_router([vlm_grpc_reference], model, log, *ROUTER_FLAGS)
+    ) as base:
         yield base
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +19,7 @@ import pytest_asyncio
 
 from harness import Harness, request
 from real_engine import real_model
-from routers import CHAT, ask, chat, smg_router, smg_router_in_thread, vllm_grpc_server
+from routers import CHAT, ask, chat, in_thread, smg_router, smg_router_in_thread, vllm_grpc_server
 from vllm_servers import post, vllm_openai_server
 
 pytestmark = pytest.mark.vllm
@@ -47,11 +47,13 @@ WEATHER = [
 FORCED_TOOL = {"type": "function", "function": {"name": "get_weather"}}
 
 
-@pytest.fixture(scope="module")
-def trained_vllm_http(trained: Harness) -> Iterator[str]:
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def trained_vllm_http(trained: Harness) -> AsyncIterator[str]:
     """vLLM's OpenAI server on the same model and flags as `trained`."""
     model, flags = real_model()
-    with vllm_openai_server(Path(model), flags, log_name="vllm-openai-trained.log") as base:
+    async with in_thread(
+        vllm_openai_server(Path(model), flags, log_name="vllm-openai-trained.log")
+    ) as base:
         yield base
 
 
@@ -60,12 +62,12 @@ async def trained_routers(trained: Harness) -> AsyncIterator[tuple[str, str]]:
     """(router in front of ours, router in front of vLLM's --grpc server), same model."""
     model, flags = real_model()
     folder = Path(model)
-    with contextlib.ExitStack() as stack:
-        worker = stack.enter_context(
-            vllm_grpc_server(folder, flags, folder.parent / "vllm-grpc-trained.log")
+    async with contextlib.AsyncExitStack() as stack:  # each started in a thread: in_thread
+        worker = await stack.enter_async_context(
+            in_thread(vllm_grpc_server(folder, flags, folder.parent / "vllm-grpc-trained.log"))
         )
-        reference = stack.enter_context(
-            smg_router([worker], folder, folder.parent / "router-ref-trained.log")
+        reference = await stack.enter_async_context(
+            in_thread(smg_router([worker], folder, folder.parent / "router-ref-trained.log"))
         )
         log = folder.parent / "router-ours-trained.log"
         async with smg_router_in_thread([trained.address], folder, log) as ours:

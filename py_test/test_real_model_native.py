@@ -19,7 +19,7 @@ from test_real_model import TRIP
 from harness import Harness, require
 from native_servers import vllm_router, vllm_router_in_thread, vllm_rs_path, vllm_rs_server
 from real_engine import real_model
-from routers import CHAT, COMPLETIONS, ask, chat
+from routers import CHAT, COMPLETIONS, ask, chat, in_thread
 
 pytestmark = pytest.mark.vllm
 
@@ -30,12 +30,12 @@ async def trained_vllm_routers(trained: Harness) -> AsyncIterator[tuple[str, str
     require(vllm_rs_path() is not None, "vllm-rs is not installed (make test)")
     model, flags = real_model()
     folder = Path(model)
-    with contextlib.ExitStack() as stack:
-        worker = stack.enter_context(
-            vllm_rs_server(folder, flags, folder.parent / "vllm-rs-trained.log")
+    async with contextlib.AsyncExitStack() as stack:  # each started in a thread: in_thread
+        worker = await stack.enter_async_context(
+            in_thread(vllm_rs_server(folder, flags, folder.parent / "vllm-rs-trained.log"))
         )
-        reference = stack.enter_context(
-            vllm_router([worker], folder, folder.parent / "vllm-router-ref-trained.log")
+        reference = await stack.enter_async_context(
+            in_thread(vllm_router([worker], folder, folder.parent / "vllm-router-ref-trained.log"))
         )
         log = folder.parent / "vllm-router-ours-trained.log"
         async with vllm_router_in_thread([trained.address], folder, log) as ours:
