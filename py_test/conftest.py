@@ -114,9 +114,9 @@ def direct_count(monkeypatch: pytest.MonkeyPatch) -> DirectCount:
         taken = send(self, token_ids)
         if taken:
             count.sent += 1
-            count.sent_after_refusal += count.refused > 0
         else:
             count.refused += 1
+            count.refused_once_sending += count.sent > 0
         return taken
 
     monkeypatch.setattr(Flight, "_send_directly", counted)

@@ -99,16 +99,16 @@ def without_load(message: Any) -> Any:
 
 
 class DirectCount:
-    """How many plain decode steps this process's flights sent directly, how many the
-    transport refused, and how many it took again after its first refusal (the
-    `direct_count` fixture counts them). How many of each a stream gets depends on how fast
-    the machine drains a client's window; that there were refusals and that direct sends
-    resumed after them does not."""
+    """How many plain decode steps this process's flights sent directly, how many were
+    refused, and how many of those refusals came once direct sends had begun (the transport
+    refusing a full window; before a stream's first message every step is refused). The
+    `direct_count` fixture counts them. How many of each a stream gets is the machine's
+    speed; that the window filled and direct sends resumed after it is not."""
 
     def __init__(self) -> None:
         self.sent = 0
         self.refused = 0
-        self.sent_after_refusal = 0
+        self.refused_once_sending = 0
 
 
 # The start_mock fixture's factory: (ServerConfig | None, **MockConfig fields) -> Harness.
