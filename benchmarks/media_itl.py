@@ -80,7 +80,7 @@ async def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     model = real_engine.tiny_vlm()
-    engine = real_engine.start_engine(model, real_engine.VLM_FLAGS)
+    engine = await real_engine.start_engine(model, real_engine.VLM_FLAGS)
     harness = await start_harness(engine, ServerConfig(port=0), model)
     images = [jpeg(i) for i in range(IMAGES)]
     print(f"image payload: {len(images[0]) / 1e6:.1f} MB JPEG, 1024x1024")
