@@ -83,13 +83,11 @@ def pytest_fixture_setup(fixturedef: pytest.FixtureDef, request: pytest.FixtureR
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
-    """While the session's shared worker runs, a synchronous test runs in a worker thread and
-    the session's loop goes on serving that worker meanwhile: its routers' health probes are
-    answered (loop_watch.py says what a deaf minute costs). Async tests are pytest-asyncio's."""
+    """A synchronous test runs in a worker thread while the session's loop goes on serving
+    the in-process workers on it: their routers' health probes are answered (loop_watch.py
+    says what a deaf minute costs). Async tests are pytest-asyncio's."""
     loop = LOOP_WATCH.loop
-    if type(pyfuncitem) is not pytest.Function or "real" not in _SHARED:
-        return None
-    if loop is None or loop.is_closed() or loop.is_running():
+    if type(pyfuncitem) is not pytest.Function or loop is None or loop.is_closed():
         return None
     arguments = {name: pyfuncitem.funcargs[name] for name in pyfuncitem._fixtureinfo.argnames}
     loop.run_until_complete(asyncio.to_thread(pyfuncitem.obj, **arguments))

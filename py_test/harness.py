@@ -167,13 +167,16 @@ def delta(before: Samples, after: Samples, name: str, **labels: str) -> float:
     return after.get(key, 0.0) - before.get(key, 0.0)
 
 
-async def wait_until(predicate: Callable[[], bool], timeout: float = 10.0, what: str = "") -> None:
-    """Poll `predicate` until it holds; fail with `what` after `timeout` seconds."""
+async def wait_until(
+    predicate: Callable[[], bool], timeout: float = 10.0, what: str = "", every: float = 0.02
+) -> None:
+    """Poll `predicate` every `every` seconds until it holds; fail with `what` after
+    `timeout` seconds."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     while not predicate():
         assert loop.time() < deadline, f"not reached in {timeout}s: {what or predicate}"
-        await asyncio.sleep(0.02)
+        await asyncio.sleep(every)
 
 
 def real_engine_idle(harness: Harness) -> bool:

@@ -61,9 +61,6 @@ class LoopWatch:
             if self._phases:
                 self._since_beat.append(self._phases[-1])
 
-    def since(self, count: int) -> list[Standstill]:
-        return self.standstills[count:]
-
     async def run(self) -> None:
         self.loop = asyncio.get_running_loop()
         last = time.monotonic()

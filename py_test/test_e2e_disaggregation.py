@@ -27,7 +27,7 @@ import native_servers
 import routers
 import servers
 import shared_workers
-from harness import Harness, Samples, require, scrape
+from harness import Harness, Samples, require, scrape, wait_until
 from real_engine import ENGINE_FLAGS, cli_flags, require_vllm
 from routers import CHAT, COMPLETIONS, ask, chat
 from vllm_servers import free_port
@@ -102,18 +102,15 @@ class Worker:
         return reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
-async def routed(routers_bases: list[str], worker: Worker, timeout: float = 60.0) -> None:
-    """Until every router in `routers_bases` sees `worker` healthy again."""
+async def routed(routers_bases: list[str], worker: Worker) -> None:
+    """Until every router in `routers_bases` sees `worker` healthy again (GET /workers on
+    local routers: milliseconds, so asked from the loop)."""
     url = f"grpc://{worker.address}"
 
     def everywhere() -> bool:
         return all(shared_workers.workers_seen(b).get(url) is True for b in routers_bases)
 
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not await asyncio.to_thread(everywhere):
-        assert loop.time() < deadline, f"the routers never took {url} back in {timeout:.0f} s"
-        await asyncio.sleep(0.5)
+    await wait_until(everywhere, 60.0, f"every router to take {url} back", every=0.5)
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
