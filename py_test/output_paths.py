@@ -1,8 +1,9 @@
 """Which output path the real engine's requests took, seen from the tests only.
 
-Counts `LeanStream`s made (requests on the lean path) and the decode steps the fast loop
-handed to them, by wrapping the two methods for the duration of a `with` block; the
-production classes keep no counters for this.
+Counts `LeanStream`s made (requests on the lean path), the decode steps the fast loop
+handed to them and the requests that entered the engine core directly (entry.py), by
+wrapping the three methods for the duration of a `with` block; the production classes keep
+no counters for this.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from vllm_router.engine.vllm.entry import DirectEntry
 from vllm_router.engine.vllm.lean import LeanStream
 
 
@@ -19,12 +21,19 @@ from vllm_router.engine.vllm.lean import LeanStream
 class PathCounts:
     lean_streams: int = 0  # requests served without a RequestOutput per step
     fast_steps: int = 0  # decode steps taken by fast_outputs.py's loop
+    direct_entries: int = 0  # requests into the engine core without AsyncLLM.add_request
 
 
 @contextlib.contextmanager
 def counting_paths() -> Iterator[PathCounts]:
     counts = PathCounts()
     init, decode_step = LeanStream.__init__, LeanStream.decode_step
+    register = DirectEntry.register
+
+    def counting_register(self: DirectEntry, *args: Any, **kwargs: Any) -> Any:
+        request = register(self, *args, **kwargs)
+        counts.direct_entries += 1
+        return request
 
     def counting_init(self: LeanStream, *args: Any, **kwargs: Any) -> None:
         counts.lean_streams += 1
@@ -36,8 +45,10 @@ def counting_paths() -> Iterator[PathCounts]:
 
     LeanStream.__init__ = counting_init  # type: ignore[method-assign]
     LeanStream.decode_step = counting_decode_step  # type: ignore[method-assign]
+    DirectEntry.register = counting_register  # type: ignore[method-assign]
     try:
         yield counts
     finally:
         LeanStream.__init__ = init  # type: ignore[method-assign]
         LeanStream.decode_step = decode_step  # type: ignore[method-assign]
+        DirectEntry.register = register  # type: ignore[method-assign]

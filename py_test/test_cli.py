@@ -167,21 +167,24 @@ def test_empty_api_key_is_a_one_line_startup_error() -> None:
     assert len(lines) == 1 and "API key must not be empty" in lines[0], result.stderr
 
 
-def test_lean_outputs_flag_reaches_the_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_output_path_flags_reach_the_engine(monkeypatch: pytest.MonkeyPatch) -> None:
     require(importlib.util.find_spec("vllm") is not None, "vLLM is not installed")
     from vllm_router import cli
     from vllm_router.engine.vllm import VllmEngine
 
-    seen: list[bool] = []
+    seen: list[tuple[bool, bool]] = []
 
-    def record(cls: type, engine_args: object, *, lean_outputs: bool = True) -> None:
-        seen.append(lean_outputs)
+    def record(
+        cls: type, engine_args: object, *, lean_outputs: bool = True, direct_entry: bool = True
+    ) -> None:
+        seen.append((lean_outputs, direct_entry))
 
     monkeypatch.setattr(VllmEngine, "from_engine_args", classmethod(record))
     parser = cli.build_parser(with_vllm=True)
     cli.build_engine(parser.parse_args(["--model", "m"]))
     cli.build_engine(parser.parse_args(["--model", "m", "--no-lean-outputs"]))
-    assert seen == [True, False]
+    cli.build_engine(parser.parse_args(["--model", "m", "--no-direct-entry"]))
+    assert seen == [(True, True), (False, True), (True, False)]
 
 
 def test_vllm_serving_flags_are_server_config_fields() -> None:

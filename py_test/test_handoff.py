@@ -174,6 +174,13 @@ def render(one: EngineStep) -> tuple[tuple[list[int], int, int, int]]:
     return ((one.token_ids, one.prompt_tokens, one.completion_tokens, one.cached_tokens),)
 
 
+def decode(
+    token_ids: list[int], last: EngineStep, completion: int
+) -> tuple[list[int], int, int, int]:
+    """`render`'s message for a plain decode step, as a contract's decode renderer makes it."""
+    return (token_ids, last.prompt_tokens, completion, last.cached_tokens)
+
+
 async def test_a_flight_sends_decode_steps_itself_with_their_usage_after_its_first_message() -> (
     None
 ):
@@ -181,7 +188,7 @@ async def test_a_flight_sends_decode_steps_itself_with_their_usage_after_its_fir
     sink = flight.sink(transport)
     assert not sink([1])  # no message sent yet: the task sends the first
     flight.begin(engine_steps(step([1], 1), step([4], 4, finished=True)))
-    messages = flight.messages(render)
+    messages = flight.messages(render, decode)
     assert await messages.__anext__() == ([1], 5, 1, 2)  # the first step, from the task
     assert sink([2]) and sink([3])  # decode steps: rendered and sent from the engine's loop
     assert transport.sent == [([2], 5, 2, 2), ([3], 5, 3, 2)]
@@ -191,27 +198,27 @@ async def test_a_flight_sends_decode_steps_itself_with_their_usage_after_its_fir
     assert [m async for m in messages] == [([4], 5, 4, 2)]
 
 
-async def test_a_decode_step_that_renders_to_more_than_one_message_is_left_to_the_task() -> None:
+async def test_a_stream_without_a_decode_renderer_leaves_every_step_to_the_task() -> None:
     flight, transport = Flight("r", None), Transport()
     sink = flight.sink(transport)
-    flight.begin(engine_steps(step([1], 1)))
-    messages = flight.messages(lambda one: (one.token_ids, one.token_ids))
+    flight.begin(engine_steps(step([1], 1), step([2], 2, finished=True)))
+    messages = flight.messages(render)
     await messages.__anext__()
     assert not sink([2]) and transport.sent == []
+    assert [m async for m in messages] == [([2], 5, 2, 2)]
 
 
 async def test_a_direct_send_that_fails_never_raises_into_the_engine() -> None:
-    """It runs inside the engine's output loop: a render that raises (a bug) is refused, so
-    the task renders the step again and its error reaches the client, not the engine."""
+    """It runs inside the engine's output loop: a decode renderer that raises (a bug) is
+    refused, so the step is left to the task, whose step renderer sends it; nothing raises
+    into the engine."""
     flight, transport = Flight("r", None), Transport()
     sink = flight.sink(transport)
     flight.begin(engine_steps(step([1], 1)))
 
-    def render_first_only(one: EngineStep) -> tuple[list[int]]:
-        if one.completion_tokens > 1:
-            raise KeyError("a bug")
-        return (one.token_ids,)
+    def failing_decode(token_ids: list[int], last: EngineStep, completion: int) -> Any:
+        raise KeyError("a bug")
 
-    messages = flight.messages(render_first_only)
+    messages = flight.messages(render, failing_decode)
     await messages.__anext__()
     assert not sink([2]) and transport.sent == []

@@ -14,6 +14,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vpb_grpc
 from test_parity_router_grade import ensure_lora
 
+from vllm_router.engine.vllm.entry import DirectEntry, VllmCall
 from vllm_router.proto import vllm_engine_pb2 as pb
 
 from harness import Harness, read_rest, real_engine_idle, request, wait_until
@@ -159,14 +160,20 @@ async def test_get_tokenizer_sends_the_model_files(real: Harness) -> None:
 
 async def test_trace_context_reaches_vllm(real: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[Any] = []
-    # Both output paths hand the request to vLLM through AsyncLLM.add_request.
-    original = real.engine.llm.add_request
+    # A request enters vLLM through AsyncLLM.add_request or, token ids only, the direct
+    # entry (which, as add_request, drops them when vLLM does not trace).
+    original, register = real.engine.llm.add_request, DirectEntry.register
 
     def recording(*args: Any, **kwargs: Any) -> Any:
         calls.append(kwargs.get("trace_headers"))
         return original(*args, **kwargs)
 
+    def recording_register(self: DirectEntry, call: VllmCall, *args: Any) -> Any:
+        calls.append(call.options.get("trace_headers"))
+        return register(self, call, *args)
+
     monkeypatch.setattr(real.engine.llm, "add_request", recording)
+    monkeypatch.setattr(DirectEntry, "register", recording_register)
     parent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
     metadata = (("traceparent", parent), ("tracestate", "router=1"))
     await real.stub.Generate(request([5, 6], max_tokens=2), metadata=metadata)

@@ -90,7 +90,9 @@ def build_engine(args: argparse.Namespace) -> AsyncEngine:
     from .engine.vllm import VllmEngine
 
     return VllmEngine.from_engine_args(
-        AsyncEngineArgs.from_cli_args(args), lean_outputs=args.lean_outputs
+        AsyncEngineArgs.from_cli_args(args),
+        lean_outputs=args.lean_outputs,
+        direct_entry=args.direct_entry,
     )
 
 

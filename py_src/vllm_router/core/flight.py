@@ -7,7 +7,8 @@ histograms, what the stall watchdog watches, a drain abort told as UNAVAILABLE) 
 A stream on a transport that can send without waiting (`DirectSend`: pygrpc-native's
 non-blocking send) is fed straight from engine steps: the flight is the engine's sink for
 the request's plain decode steps (engine/handoff.py), renders each into the stream's next
-message from the engine's output loop and hands it to the transport. No task wakes, no
+message from the engine's output loop (the contract's `DecodeRenderer`, prebuilt for the
+stream) and hands it to the transport. No task wakes, no
 generator resumes. When the transport cannot take it (the client's window is full) the
 step is refused, the engine buffers it and the request's task sends it the awaited way,
 merged with the steps that arrive meanwhile: steps coalesce only under back-pressure, and
@@ -44,6 +45,13 @@ class DirectSend(Protocol):
     def __call__(self, message: Any) -> bool: ...
 
 
+# A contract's prebuilt rendering of a plain decode step (new token ids and nothing else)
+# into the stream's message: the same message its step renderer makes of that step, built
+# without an EngineStep. Called with the new token ids, the step rendered before it (prompt
+# and cached token counts, sample index) and the request's tokens so far.
+DecodeRenderer = Callable[[list[int], EngineStep, int], Any]
+
+
 class SendClock(Protocol):
     """Whatever sends a request's messages, seen by the stall watchdog."""
 
@@ -58,8 +66,8 @@ class Flight:
     no contract can forget that a drain abort is UNAVAILABLE, not an answer.
     """
 
-    __slots__ = ("_completion_tokens", "_direct", "_engine_steps", "_last_sent", "_last_step",
-                 "_metrics", "_render", "_started", "failure", "request_id", "send_clock",
+    __slots__ = ("_completion_tokens", "_decode", "_direct", "_engine_steps", "_last_sent",
+                 "_last_step", "_metrics", "_started", "failure", "request_id", "send_clock",
                  "sending_since", "shut_down", "task")  # fmt: skip
 
     def __init__(self, request_id: str, metrics: ServicerMetrics | None) -> None:
@@ -78,10 +86,10 @@ class Flight:
         self._started = time.monotonic()
         self._last_sent: float | None = None
         self._engine_steps: AsyncIterator[EngineStep] | None = None
-        # Direct sends (`sink`): the transport's send, the stream's renderer once `messages`
-        # runs, the last step it rendered and the tokens produced since.
+        # Direct sends (`sink`): the transport's send, the stream's decode renderer once
+        # `messages` runs, the last step it rendered and the tokens produced since.
         self._direct: DirectSend | None = None
-        self._render: Callable[[EngineStep], Sequence[Any]] | None = None
+        self._decode: DecodeRenderer | None = None
         self._last_step: EngineStep | None = None
         self._completion_tokens = 0
 
@@ -103,9 +111,13 @@ class Flight:
             yield step
 
     async def messages(
-        self, render: Callable[[EngineStep], Sequence[Message]]
+        self,
+        render: Callable[[EngineStep], Sequence[Message]],
+        decode: DecodeRenderer | None = None,
     ) -> AsyncIterator[Message]:
-        """The messages `render` makes of each step, as a stream handler yields them to gRPC.
+        """The messages `render` makes of each step, as a stream handler yields them to gRPC;
+        `decode`, the same message for a plain decode step, rendered without building the
+        step: what a direct send renders (none: the stream takes no direct sends).
 
         The generator resumes once gRPC has sent a message; a client that stops reading
         keeps it suspended at the yield, which the stall watchdog sees
@@ -113,7 +125,7 @@ class Flight:
         through `steps()`: one async-generator layer less per token.
         """
         assert self._engine_steps is not None, "the flight has not started in the engine"
-        self._render = render
+        self._decode = decode
         async for step in self._engine_steps:
             self._record(step)
             self._last_step = step
@@ -126,24 +138,14 @@ class Flight:
     def _send_directly(self, token_ids: list[int]) -> bool:
         """A plain decode step, from the engine's output loop: rendered as the stream's next
         message and handed to the transport; False (the engine buffers it) when the
-        transport cannot take it now, or before the stream's first message."""
-        render, last, send = self._render, self._last_step, self._direct
-        if render is None or last is None or send is None:
+        transport cannot take it now, before the stream's first message, or when the
+        stream's contract has no decode renderer."""
+        decode, last, send = self._decode, self._last_step, self._direct
+        if decode is None or last is None or send is None:
             return False
         completion = self._completion_tokens + len(token_ids)
-        # A decode step's message carries its tokens and the usage as of them.
-        step = EngineStep(
-            token_ids=token_ids,
-            text="",
-            finished=False,
-            prompt_tokens=last.prompt_tokens,
-            completion_tokens=completion,
-            cached_tokens=last.cached_tokens,
-            index=last.index,
-        )
         try:
-            rendered = render(step)
-            if len(rendered) != 1 or not send(rendered[0]):
+            if not send(decode(token_ids, last, completion)):
                 return False
         except Exception:
             # This runs inside the engine's output loop, where an exception would fail the

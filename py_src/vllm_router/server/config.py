@@ -137,6 +137,13 @@ class ServerConfig:
         "AsyncLLM.generate",
         **{VLLM_ONLY: True},
     )
+    direct_entry: bool = _opt(
+        True,
+        "hand a token-id request to vLLM's engine core with the calls AsyncLLM.add_request "
+        "makes for it, without its general work (same validation, admission and request; "
+        "less CPU per request); --no-direct-entry sends every request through add_request",
+        **{VLLM_ONLY: True},
+    )
     lora_modules: tuple[str, ...] | None = _opt(
         None,
         "LoRA adapters to load at start (needs --enable-lora), as vLLM's OpenAI server",

@@ -97,6 +97,19 @@ def stream_message(
     return message
 
 
+def decode_message(
+    request_id: str, token_ids: list[int], last: EngineStep, completion_tokens: int
+) -> pb.GenerateStreamResponse:
+    """`stream_message` of a plain decode step (core/flight.py's DecodeRenderer)."""
+    message = pb.GenerateStreamResponse(request_id=request_id, token_ids=token_ids,
+                                        index=last.index)  # fmt: skip
+    usage = message.usage
+    usage.prompt_tokens = last.prompt_tokens
+    usage.completion_tokens = completion_tokens
+    usage.cached_tokens = last.cached_tokens
+    return message
+
+
 def batch_message(
     message: Message[pb.GenerateStreamResponse, pb.RequestError],
 ) -> pb.GenerateBatchResponse:

@@ -53,8 +53,13 @@ class VllmEngineServicer(ContractServicer, pb_grpc.VllmEngineServicer):
             first = False
             return (message,)
 
+        def decode(
+            token_ids: list[int], last: EngineStep, completion_tokens: int
+        ) -> pb.GenerateStreamResponse:
+            return responses.decode_message(request_id, token_ids, last, completion_tokens)
+
         async with self._requests.run(generation, direct=self._direct(context)) as flight:
-            async for message in flight.messages(render):
+            async for message in flight.messages(render, decode):
                 yield message
 
     @handles_errors

@@ -90,6 +90,22 @@ def chunk(
     )
 
 
+def decode_chunk(
+    token_ids: list[int], last: EngineStep, completion_tokens: int
+) -> vpb.GenerateResponse:
+    """`chunk` of a plain decode step (core/flight.py's DecodeRenderer); completion_tokens
+    counts the chunk's own tokens, as every chunk's does."""
+    return vpb.GenerateResponse(
+        chunk=vpb.GenerateStreamChunk(
+            token_ids=token_ids,
+            prompt_tokens=last.prompt_tokens,
+            completion_tokens=len(token_ids),
+            cached_tokens=last.cached_tokens,
+            index=last.index,
+        )
+    )
+
+
 def complete(
     last: EngineStep,
     output_ids: list[int],

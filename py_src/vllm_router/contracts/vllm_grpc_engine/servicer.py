@@ -41,7 +41,8 @@ class VllmGrpcServicer(ContractServicer, vpb_grpc.VllmEngineServicer):
         direct = self._direct(context) if request.stream else None
         async with self._requests.run(generation, direct=direct) as flight:
             if request.stream:
-                async for message in flight.messages(self._stream_renderer(*tops)):
+                render = self._stream_renderer(*tops)
+                async for message in flight.messages(render, responses.decode_chunk):
                     yield message
                 return
             result = RequestResult()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -119,6 +119,22 @@ def sequence_output(
     if step.finished:
         output.finish_info.CopyFrom(finish_info(step, eos_ids))
     return npb.GenerateResponse(outputs=output)
+
+
+def decoded_output(wanted: Wanted) -> Callable[[list[int], EngineStep, int], npb.GenerateResponse]:
+    """`sequence_output` of a plain decode step, for one stream's `wanted` (core/flight.py's
+    DecodeRenderer): a plain step has no text, no scores and no finish."""
+    with_ids = wanted.token_ids
+
+    def render(
+        token_ids: list[int], last: EngineStep, completion_tokens: int
+    ) -> npb.GenerateResponse:
+        output = npb.SequenceOutput(index=last.index, num_tokens=len(token_ids))
+        if with_ids:
+            output.token_ids.extend(token_ids)
+        return npb.GenerateResponse(outputs=output)
+
+    return render
 
 
 def whole_answer(

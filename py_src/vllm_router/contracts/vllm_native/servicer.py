@@ -54,9 +54,11 @@ class NativeInferenceServicer(ContractServicer, npb_grpc.InferenceServicer):
         self, request: npb.GenerateRequest, context: Context
     ) -> AsyncIterator[npb.GenerateResponse]:
         generation = await self._generation(request, context)
-        render = self._stream_renderer(Wanted.of(request.response), generation.prompt_token_ids)
+        wanted = Wanted.of(request.response)
+        render = self._stream_renderer(wanted, generation.prompt_token_ids)
+        decode = responses.decoded_output(wanted)
         async with self._requests.run(generation, direct=self._direct(context)) as flight:
-            async for message in flight.messages(render):
+            async for message in flight.messages(render, decode):
                 yield message
 
     def _stream_renderer(

@@ -29,10 +29,12 @@ from ..types import (
     LoraAdapter,
     ModelFacts,
     RankLoad,
+    SamplingOptions,
     one_plain_sample,
 )
 from .compat import (
     BULK_LATENCIES,
+    DIRECT_ENTRY,
     ENGINE_PROGRESS,
     ENGINE_SERIES,
     FAST_OUTPUTS,
@@ -44,13 +46,14 @@ from .compat import (
     TOKENIZE,
     check_touch_points,
 )
+from .entry import DirectEntry, VllmCall
 from .facts import model_facts, read_tokenizer_files
 from .fast_outputs import FastOutputs
-from .generate import VllmCall, lean_steps, request_output_steps
+from .generate import lean_steps, request_output_steps
 from .kv_events import kv_event_batches, kv_event_sources
 from .lora import LoraRegistry
 from .media_inputs import media_input, processed_input
-from .params import build_sampling_params, reraise
+from .params import SharedParams, build_sampling_params, reraise
 from .stats import BulkLatencies, LoadBoard, capture_engine_registry
 
 if TYPE_CHECKING:
@@ -66,7 +69,14 @@ T = TypeVar("T")
 class VllmEngine:
     """The engine protocol over a running vLLM AsyncLLM."""
 
-    def __init__(self, llm: AsyncLLM, board: LoadBoard, *, lean_outputs: bool = True) -> None:
+    def __init__(
+        self,
+        llm: AsyncLLM,
+        board: LoadBoard,
+        *,
+        lean_outputs: bool = True,
+        direct_entry: bool = True,
+    ) -> None:
         self._llm = llm
         # The features whose vLLM internals match this vLLM (compat.py logs the rest).
         self.features = check_touch_points(llm)
@@ -90,6 +100,12 @@ class VllmEngine:
                 count_nans=bool(envs.VLLM_COMPUTE_NANS_IN_LOGITS),
                 bulk_latencies=bulk,
             )
+        # Token-id requests into the engine core without add_request's general work.
+        self.direct_entry = (
+            DirectEntry(llm)
+            if direct_entry and self.lean_outputs and DIRECT_ENTRY in self.features
+            else None
+        )
         self._board = board
         # Paused or asleep by our own call: its requests are held on purpose, not stuck.
         self._held = False
@@ -100,6 +116,7 @@ class VllmEngine:
         model_config = llm.vllm_config.model_config
         self._max_model_len = model_config.max_model_len
         self._model_defaults = model_config.get_diff_sampling_param()
+        self._params = SharedParams(self._build_sampling_params)
         self._facts = model_facts(llm, self._model_defaults, media=MEDIA in self.features)
         self._loras = LoraRegistry(llm, self._facts.supports_lora)
         if self._model_defaults:
@@ -109,7 +126,7 @@ class VllmEngine:
 
     @classmethod
     def from_engine_args(
-        cls, engine_args: AsyncEngineArgs, *, lean_outputs: bool = True
+        cls, engine_args: AsyncEngineArgs, *, lean_outputs: bool = True, direct_entry: bool = True
     ) -> VllmEngine:
         """Start an AsyncLLM (spawns the engine-core process) wired to our load board."""
         from vllm.usage.usage_lib import UsageContext
@@ -129,7 +146,7 @@ class VllmEngine:
             enable_log_requests=engine_args.enable_log_requests,
             disable_log_stats=False,
         )
-        return cls(llm, board, lean_outputs=lean_outputs)
+        return cls(llm, board, lean_outputs=lean_outputs, direct_entry=direct_entry)
 
     @property
     def facts(self) -> ModelFacts:
@@ -327,17 +344,26 @@ class VllmEngine:
 
     def _sampling_params(self, request: GenerationRequest, prompt_len: int) -> SamplingParams:
         try:
-            return build_sampling_params(
+            return self._params.get(
                 request.sampling,
-                model_defaults=self._model_defaults,
-                prompt_len=prompt_len,
-                max_model_len=self._max_model_len,
+                prompt_len,
                 detokenize=request.detokenize,
                 kv_transfer_params=request.kv_transfer_params,
                 skip_prefix_cache=request.skip_prefix_cache,
             )
         except Exception as exc:
             reraise(exc)
+
+    def _build_sampling_params(
+        self, options: SamplingOptions, prompt_len: int, **request: Any
+    ) -> SamplingParams:
+        return build_sampling_params(
+            options,
+            model_defaults=self._model_defaults,
+            prompt_len=prompt_len,
+            max_model_len=self._max_model_len,
+            **request,
+        )
 
     def check_sampling(self, request: GenerationRequest) -> None:
         self._sampling_params(request, len(request.prompt_token_ids or ()))
@@ -381,7 +407,14 @@ class VllmEngine:
         self._work_arrives()
         if self.lean_outputs and one_plain_sample(options, params.n):
             handed = hands_over(options, params.n, detokenize=request.detokenize)
-            return lean_steps(self._llm, call, self.fast_outputs, decoded if handed else None)
+            entry = self.direct_entry
+            return lean_steps(
+                self._llm,
+                call,
+                self.fast_outputs,
+                decoded if handed else None,
+                entry if entry is not None and entry.admits(call) else None,
+            )
         return request_output_steps(self._llm, call, options)
 
     async def _media_steps(

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .introspect import assigned_attributes, missing, parameters
+from .introspect import assigned_attributes, called_names, missing, parameters
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +39,7 @@ MEDIA = "images and other media"
 FAST_OUTPUTS = "token-only decode steps without vLLM's per-request output work"
 BULK_LATENCIES = "inter-token latencies observed by value, not one by one"
 ENGINE_PROGRESS = "the engine progress watchdog"
+DIRECT_ENTRY = "token-id requests into the engine core without add_request's general work"
 # The connector's name in a kv_transfer_config (kv_store.py).
 KV_STORE_CONNECTOR = "SharedStorageConnector"
 
@@ -52,6 +53,27 @@ MAKE_REQUEST_OUTPUT_PARAMS = (
 )  # fmt: skip
 # What AsyncLLM.add_request / generate receive from the adapter by keyword.
 REQUEST_KEYWORDS = ("lora_request", "trace_headers", "priority", "data_parallel_rank")
+# Every call AsyncLLM.add_request and _add_request make, as read for entry.py (which makes
+# the ones a token-only request reaches); a vLLM whose add_request calls anything else
+# does something entry.py does not.
+ADD_REQUEST_CALLS = {
+    "add_request": (
+        "EngineDeadError", "ParentRequest", "RequestOutputCollector", "VLLMValidationError",
+        "child_requests.append", "copy", "enumerate", "extract_prompt_components",
+        "isinstance", "log_tracing_disabled_warning", "logger.info", "logger.warning_once",
+        "parent_request.get_child_info", "range", "self._add_request",
+        "self._add_streaming_input_request", "self._run_output_handler", "self.abort",
+        "self.check_admission", "self.engine_core.add_request_async",
+        "self.get_supported_tasks", "self.input_processor.apply_watermarking",
+        "self.input_processor.assign_request_id", "self.input_processor.process_inputs",
+        "self.input_processor.process_inputs_async",
+        "self.input_processor.resolve_watermarking", "self.output_processor.add_request",
+    ),
+    "_add_request": (
+        "logger.info", "self.check_admission", "self.engine_core.add_request_async",
+        "self.output_processor.add_request", "self.output_processor.has_request",
+    ),
+}  # fmt: skip
 STAT_RECORD_PARAMS = ("scheduler_stats", "iteration_stats", "mm_cache_stats", "engine_idx")
 SCHEDULER_STATS_FIELDS = (
     "num_running_reqs", "num_waiting_reqs", "num_skipped_waiting_reqs", "kv_cache_usage",
@@ -89,6 +111,35 @@ def _add_request(llm: Any) -> str | None:
     problem = problem or missing(parameters(type(llm).abort), ("request_id", "internal"))
     collector = {*dir(RequestOutputCollector), *assigned_attributes(RequestOutputCollector)}
     return problem or missing(collector, ("request_id", "get_nowait", "close"))
+
+
+def _direct_entry(llm: Any) -> str | None:
+    import vllm.tracing
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    if not hasattr(vllm.tracing, "log_tracing_disabled_warning"):
+        return "vllm.tracing.log_tracing_disabled_warning is gone"
+
+    for name, expected in ADD_REQUEST_CALLS.items():
+        have = called_names(getattr(AsyncLLM, name))
+        if have != set(expected):
+            changed = sorted(have.symmetric_difference(expected))
+            return f"AsyncLLM.{name} calls differ from the ones read: {', '.join(changed)}"
+    problem = missing(parameters(type(llm.input_processor).process_inputs), (
+        "request_id", "prompt", "params", "supported_tasks", "trace_headers", "priority",
+        "data_parallel_rank", "session_id"))  # fmt: skip
+    problem = problem or missing(
+        parameters(type(llm.output_processor).add_request),
+        ("request", "prompt", "parent_req", "request_index", "queue"),
+    )
+    problem = problem or missing(parameters(type(llm).check_admission), ("n", "request_id"))
+    if problem is None and parameters(type(llm.renderer).get_eos_token_id):
+        problem = "renderer.get_eos_token_id takes arguments"
+    return problem or missing(
+        {*dir(llm), *dir(llm.engine_core), *dir(llm.output_processor)},
+        ("_run_output_handler", "log_requests", "observability_config", "add_request_async",
+         "has_request", "get_supported_tasks"),
+    )  # fmt: skip
 
 
 def _detokenizer(llm: Any) -> str | None:
@@ -255,6 +306,10 @@ TOUCH_POINTS = (
                GENERATE_PATH, _request_states),
     TouchPoint("AsyncLLM.add_request / abort(internal=) / RequestOutputCollector", LEAN_OUTPUTS,
                GENERATE_PATH, _add_request),
+    TouchPoint("AsyncLLM.add_request's calls, InputProcessor.process_inputs, "
+               "OutputProcessor.add_request, check_admission, renderer.get_eos_token_id",
+               DIRECT_ENTRY,
+               "token-id requests through AsyncLLM.add_request", _direct_entry),
     TouchPoint("IncrementalDetokenizer.get_next_output_text", LEAN_OUTPUTS,
                GENERATE_PATH, _detokenizer),
     TouchPoint("prometheus_client REGISTRY._collector_to_names", ENGINE_SERIES,

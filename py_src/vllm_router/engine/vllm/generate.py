@@ -9,33 +9,19 @@ aborted when the consumer leaves early, or failed with the engine.
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, Mapping
-from dataclasses import dataclass
+from collections.abc import AsyncGenerator
 from typing import TYPE_CHECKING, Any
 
 from ..handoff import TokenSink
 from ..types import EngineStep, SamplingOptions
+from .entry import DirectEntry, VllmCall
 from .fast_outputs import FastOutputs
 from .lean import LeanStream
 from .params import convert_logprobs, convert_prompt_logprobs, finish_of, reraise
 
 if TYPE_CHECKING:
-    from vllm.sampling_params import SamplingParams
+    from vllm.v1.engine import EngineCoreRequest
     from vllm.v1.engine.async_llm import AsyncLLM
-
-
-@dataclass(frozen=True, slots=True)
-class VllmCall:
-    """Everything AsyncLLM needs for one request, built by the adapter."""
-
-    request_id: str
-    prompt: Any  # vLLM's engine input, rendered from the prompt token ids
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    # The keywords AsyncLLM.add_request and AsyncLLM.generate both take: lora_request,
-    # trace_headers, priority, data_parallel_rank.
-    options: Mapping[str, Any]
-    detokenize: bool
 
 
 async def lean_steps(
@@ -43,18 +29,27 @@ async def lean_steps(
     call: VllmCall,
     fast: FastOutputs | None = None,
     decoded: TokenSink | None = None,
+    entry: DirectEntry | None = None,
 ) -> AsyncGenerator[EngineStep, None]:
     """A lean request's steps; with `fast`, a token-only one's decode steps skip vLLM's
     per-request output work (fast_outputs.py), and with `decoded` too they go straight
-    to it while this generator's consumer waits (AsyncEngine.generate)."""
+    to it while this generator's consumer waits (AsyncEngine.generate). With `entry`, the
+    request reaches the engine core through it (entry.py), else through add_request."""
+    request: EngineCoreRequest | None = None
+    queue: Any = None
     try:
-        queue = await llm.add_request(call.request_id, call.prompt, call.params, **call.options)
+        if entry is not None:
+            request = entry.register(call, await entry.supported_tasks())
+            request_id = request.request_id
+        else:
+            queue = await llm.add_request(call.request_id, call.prompt, call.params, **call.options)
+            request_id = queue.request_id
     except Exception as exc:
         reraise(exc)
     stream: LeanStream | None = None
     try:
         # Inside the try: a takeover that fails still aborts the request below.
-        state = llm.output_processor.request_states.get(queue.request_id)
+        state = llm.output_processor.request_states.get(request_id)
         stream = LeanStream(
             call.request_id,
             state,
@@ -62,18 +57,26 @@ async def lean_steps(
             prompt_tokens=len(call.prompt_token_ids),
             decoded=decoded if fast is not None else None,
         )
-        # Not seen in practice (the engine core cannot answer before add_request
-        # returns), but an output vLLM queued before the takeover is not lost.
-        try:
-            early = queue.get_nowait()
-        except Exception as exc:
-            reraise(exc)
-        if early is not None:
-            stream.absorb(early)
-        elif state is None:
-            raise RuntimeError(f"vLLM dropped request {call.request_id} before its first output")
+        if request is not None and entry is not None:
+            try:
+                await entry.send(request)
+            except Exception as exc:
+                reraise(exc)
+        else:
+            # Not seen in practice (the engine core cannot answer before add_request
+            # returns), but an output vLLM queued before the takeover is not lost.
+            try:
+                early = queue.get_nowait()
+            except Exception as exc:
+                reraise(exc)
+            if early is not None:
+                stream.absorb(early)
+            elif state is None:
+                raise RuntimeError(
+                    f"vLLM dropped request {call.request_id} before its first output"
+                )
         if fast is not None and not call.detokenize:
-            fast.register(queue.request_id, stream)
+            fast.register(request_id, stream)
         finished = False
         while not finished:
             try:
@@ -84,12 +87,13 @@ async def lean_steps(
             yield step
     finally:
         if fast is not None:
-            fast.unregister(queue.request_id)
+            fast.unregister(request_id)
         # A consumer that left early (client gone, cancelled, a failure here) ends the
         # request in the engine, as AsyncLLM.generate does.
         if (stream is None or not stream.finished) and not llm.errored:
-            await llm.abort(queue.request_id, internal=True)
-        queue.close()
+            await llm.abort(request_id, internal=True)
+        if queue is not None:
+            queue.close()
 
 
 async def request_output_steps(

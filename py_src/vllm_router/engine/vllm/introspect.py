@@ -32,6 +32,14 @@ def assigned_attributes(cls: type) -> set[str]:
     }
 
 
+def called_names(function: Any) -> set[str]:
+    """What `function` calls, as written (`self.x.y`, `copy`), read from its source."""
+    source = textwrap.dedent(inspect.getsource(function))
+    return {
+        ast.unparse(node.func) for node in ast.walk(ast.parse(source)) if isinstance(node, ast.Call)
+    }
+
+
 def missing(have: tuple[str, ...] | set[str], want: tuple[str, ...]) -> str | None:
     absent = [name for name in want if name not in have]
     return f"lacks {', '.join(absent)}" if absent else None

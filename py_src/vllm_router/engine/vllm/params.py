@@ -6,8 +6,10 @@ vLLM is imported inside the functions, so this module imports without vLLM.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
+import operator
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -94,6 +96,69 @@ def build_sampling_params(
     if skip_prefix_cache:
         params.skip_reading_prefix_cache = True
     return params
+
+
+# The options that decide a SamplingParams apart from its seed (see SharedParams).
+_ALL_BUT_SEED = operator.attrgetter(
+    *(f.name for f in dataclasses.fields(SamplingOptions) if f.name != "seed")
+)
+
+
+class SharedParams:
+    """SamplingParams built once for every request that asks for the same thing.
+
+    vLLM takes a request's params as shared ("`params` may be shared across prompts,
+    requests and even engines by the caller"): `InputProcessor.process_inputs` validates
+    them and works on its own copy of them for the request (`clone`; a shallow copy, as
+    these are built with `skip_clone`). What that copy writes into the lists and sets it
+    shares is this engine's EOS ids, the same for every request. So requests whose options
+    are equal (and hashable) share one SamplingParams: a router sends the same few sampling
+    settings again and again. Requests that differ only in their seed (vllm-router seeds
+    every request) get a shallow copy of it with their seed, vLLM's own clone: a seed is
+    not validated and changes nothing else. Not shared: structured outputs (vLLM records
+    the chosen backend on the params it validates) and KV-transfer parameters (one
+    request's own).
+    """
+
+    # Distinct settings kept; past it the table starts again.
+    LIMIT = 256
+
+    __slots__ = ("_build", "_table")
+
+    def __init__(self, build: Any) -> None:
+        self._build = build  # (options, prompt_len, **request) -> SamplingParams
+        self._table: dict[Any, SamplingParams] = {}
+
+    def get(self, options: SamplingOptions, prompt_len: int, **request: Any) -> SamplingParams:
+        """`request`: the build's request-level keywords (detokenize, kv_transfer_params,
+        skip_prefix_cache)."""
+        seed = options.seed
+        if (
+            options.structured_outputs is not None
+            or request.get("kv_transfer_params")
+            or (seed is not None and seed < 0)  # vLLM reads -1 as none: built as asked
+        ):
+            return self._build(options, prompt_len, **request)
+        # The default max_tokens depends on the prompt's length; a set one does not.
+        key = (
+            _ALL_BUT_SEED(options),
+            request.get("detokenize"),
+            request.get("skip_prefix_cache"),
+            prompt_len if options.max_tokens is None else -1,
+        )
+        try:
+            params = self._table.get(key)
+        except TypeError:  # unhashable options (a logit bias map): built for the request
+            return self._build(options, prompt_len, **request)
+        if params is None:
+            params = self._build(options, prompt_len, **request)
+            if len(self._table) >= self.LIMIT:
+                self._table.clear()
+            self._table[key] = params
+        elif params.seed != seed:
+            params = copy.copy(params)
+            params.seed = seed
+        return params
 
 
 def structured_outputs_params(constraint: StructuredOutputs | None) -> Any:
