@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import statistics
 import time
@@ -52,6 +53,24 @@ def _native_messages() -> tuple[Any, bytes]:
     request.response.output_text = False
     request.response.output_token_ids = True
     return request, request.SerializeToString()
+
+
+def _native_request(engine: Any) -> tuple[Any, Any]:
+    """The native request as the adapter gets it, and its SamplingParams."""
+    from vllm_router.contracts.vllm_native import convert
+
+    generation = convert.to_generation_request(_native_messages()[0], engine.facts, (), None)
+    return generation, engine._sampling_params(generation, len(PROMPT))
+
+
+def _engine_request(engine: Any, request_id: str, params: Any) -> Any:
+    """vLLM's EngineCoreRequest for the prompt, with its internal id, as add_request makes it."""
+    processor = engine.llm.input_processor
+    request = processor.process_inputs(
+        request_id, engine._engine_prompt(PROMPT), params, supported_tasks=("generate",)
+    )
+    processor.assign_request_id(request)
+    return request
 
 
 def request_stages(engine: Any, number: int) -> dict[str, float]:
@@ -108,23 +127,15 @@ async def admission_stages(engine: Any, number: int) -> dict[str, float]:
     engine-core send alone, vLLM's add_request, and the adapter's own entry (whichever path
     it takes); each request aborted before the next (the abort's CPU timed apart and
     taken off)."""
-    from vllm_router.contracts.vllm_native import convert
-
     llm = engine.llm
     core = llm.engine_core
-    processor = llm.input_processor
-    message, _ = _native_messages()
-    generation = convert.to_generation_request(message, engine.facts, (), None)
-    params = engine._sampling_params(generation, len(PROMPT))
+    generation, params = _native_request(engine)
     counter = 0
 
     async def core_send() -> tuple[float, str]:
         nonlocal counter
         counter += 1
-        request = processor.process_inputs(
-            f"c{counter}", engine._engine_prompt(PROMPT), params, supported_tasks=("generate",)
-        )
-        processor.assign_request_id(request)
+        request = _engine_request(engine, f"c{counter}", params)
         start = time.process_time()
         await core.add_request_async(request)
         return time.process_time() - start, request.request_id
@@ -140,7 +151,7 @@ async def admission_stages(engine: Any, number: int) -> dict[str, float]:
     async def ours() -> tuple[float, str]:
         nonlocal counter
         counter += 1
-        request = generation.__class__(**{**vars_of(generation), "request_id": f"o{counter}"})
+        request = dataclasses.replace(generation, request_id=f"o{counter}")
         start = time.process_time()
         steps = engine.generate(request)
         first = asyncio.ensure_future(steps.__anext__())
@@ -189,12 +200,6 @@ async def admission_stages(engine: Any, number: int) -> dict[str, float]:
     return out
 
 
-def vars_of(request: Any) -> dict[str, Any]:
-    import dataclasses
-
-    return {f.name: getattr(request, f.name) for f in dataclasses.fields(request)}
-
-
 def step_stages(engine: Any, number: int) -> dict[str, float]:
     from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
     from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
@@ -203,18 +208,11 @@ def step_stages(engine: Any, number: int) -> dict[str, float]:
     from vllm_router.engine.vllm.lean import LeanStream
 
     llm = engine.llm
-    processor = llm.input_processor
     outputs = llm.output_processor
-    message, _ = _native_messages()
-    from vllm_router.contracts.vllm_native import convert
-
-    generation = convert.to_generation_request(message, engine.facts, (), None)
-    params = engine._sampling_params(generation, len(PROMPT))
-    prompt = engine._engine_prompt(PROMPT)
+    _, params = _native_request(engine)
     ids = []
     for i in range(STREAMS):
-        request = processor.process_inputs(f"s{i}", prompt, params, supported_tasks=("generate",))
-        processor.assign_request_id(request)
+        request = _engine_request(engine, f"s{i}", params)
         outputs.add_request(request, None, None, 0, None)
         state = outputs.request_states[request.request_id]
         state.is_prefilling = False

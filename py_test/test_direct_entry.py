@@ -13,8 +13,9 @@ from typing import Any
 
 import pytest
 from output_paths import counting_paths
+from test_lean_outputs import generation
 
-from vllm_router.engine import EngineStep, GenerationRequest, SamplingOptions, StructuredOutputs
+from vllm_router.engine import EngineStep, StructuredOutputs
 from vllm_router.engine.vllm import VllmEngine, compat
 from vllm_router.engine.vllm.entry import DirectEntry, VllmCall
 from vllm_router.engine.vllm.stats import LoadBoard
@@ -35,18 +36,6 @@ def entry_off(engine: VllmEngine) -> Iterator[None]:
         yield
     finally:
         engine.direct_entry = entry
-
-
-def generation(
-    request_id: str, *, prompt: list[int] = PROMPT, detokenize: bool = False, **sampling: Any
-) -> GenerationRequest:
-    return GenerationRequest(
-        request_id=request_id,
-        prompt_token_ids=prompt,
-        prompt_text=None,
-        sampling=SamplingOptions(**sampling),
-        detokenize=detokenize,
-    )
 
 
 def outcome(steps: list[EngineStep]) -> dict[str, Any]:
@@ -228,7 +217,7 @@ async def test_requests_with_equal_options_share_their_sampling_params(real: Har
     # Anything else that differs builds its own.
     other = engine._sampling_params(generation("c", **{**greedy, "max_tokens": 13}), 6)
     assert other is not first and other.max_tokens == 13
-    text = GenerationRequest(**{**vars_of(generation("d", **greedy)), "detokenize": True})
+    text = dataclasses.replace(generation("d", **greedy), detokenize=True)
     assert engine._sampling_params(text, len(PROMPT)) is not first
     # A default max_tokens is the prompt's room: per prompt length.
     unset = generation("e", temperature=0.0)
@@ -241,8 +230,8 @@ async def test_requests_with_equal_options_share_their_sampling_params(real: Har
     assert engine._sampling_params(bias, 6) is not engine._sampling_params(bias, 6)
     constrained = generation("g", max_tokens=4, structured_outputs=StructuredOutputs(regex="a+"))
     assert engine._sampling_params(constrained, 6) is not engine._sampling_params(constrained, 6)
-    kv = GenerationRequest(**{**vars_of(generation("h", **greedy)),
-                              "kv_transfer_params": {"do_remote_prefill": False}})  # fmt: skip
+    kv = dataclasses.replace(generation("h", **greedy),
+                             kv_transfer_params={"do_remote_prefill": False})  # fmt: skip
     assert engine._sampling_params(kv, 6) is not engine._sampling_params(kv, 6)
     # Requests that ran on shared params leave them as built.
     before = (list(first.stop_token_ids or ()), first.max_tokens, first.seed)
@@ -254,12 +243,6 @@ async def test_requests_with_equal_options_share_their_sampling_params(real: Har
 
 def vars_of_params(params: Any) -> dict[str, Any]:
     return {name: getattr(params, name) for name in params.__struct_fields__}
-
-
-def vars_of(request: GenerationRequest) -> dict[str, Any]:
-    import dataclasses
-
-    return {f.name: getattr(request, f.name) for f in dataclasses.fields(request)}
 
 
 def test_the_renderer_s_eos_id_is_the_tokenizer_s(real: Harness) -> None:

@@ -33,10 +33,12 @@ def output_path(harness: Harness, lean: bool) -> Iterator[None]:
         engine.lean_outputs = before
 
 
-def generation(request_id: str, *, detokenize: bool = False, **sampling: Any) -> GenerationRequest:
+def generation(
+    request_id: str, *, prompt: list[int] = PROMPT, detokenize: bool = False, **sampling: Any
+) -> GenerationRequest:
     return GenerationRequest(
         request_id=request_id,
-        prompt_token_ids=PROMPT,
+        prompt_token_ids=prompt,
         prompt_text=None,
         sampling=SamplingOptions(**sampling),
         detokenize=detokenize,

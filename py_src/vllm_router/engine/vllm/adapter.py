@@ -8,6 +8,7 @@ vLLM internal the adapter touches is named and checked in compat.py.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
@@ -29,7 +30,6 @@ from ..types import (
     LoraAdapter,
     ModelFacts,
     RankLoad,
-    SamplingOptions,
     one_plain_sample,
 )
 from .compat import (
@@ -116,7 +116,13 @@ class VllmEngine:
         model_config = llm.vllm_config.model_config
         self._max_model_len = model_config.max_model_len
         self._model_defaults = model_config.get_diff_sampling_param()
-        self._params = SharedParams(self._build_sampling_params)
+        self._params = SharedParams(
+            functools.partial(
+                build_sampling_params,
+                model_defaults=self._model_defaults,
+                max_model_len=self._max_model_len,
+            )
+        )
         self._facts = model_facts(llm, self._model_defaults, media=MEDIA in self.features)
         self._loras = LoraRegistry(llm, self._facts.supports_lora)
         if self._model_defaults:
@@ -353,17 +359,6 @@ class VllmEngine:
             )
         except Exception as exc:
             reraise(exc)
-
-    def _build_sampling_params(
-        self, options: SamplingOptions, prompt_len: int, **request: Any
-    ) -> SamplingParams:
-        return build_sampling_params(
-            options,
-            model_defaults=self._model_defaults,
-            prompt_len=prompt_len,
-            max_model_len=self._max_model_len,
-            **request,
-        )
 
     def check_sampling(self, request: GenerationRequest) -> None:
         self._sampling_params(request, len(request.prompt_token_ids or ()))

@@ -10,7 +10,7 @@ import copy
 import dataclasses
 import math
 import operator
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from ...errors import EngineDead, InvalidRequest, Overloaded, RequestFailed
@@ -125,8 +125,10 @@ class SharedParams:
 
     __slots__ = ("_build", "_table")
 
-    def __init__(self, build: Any) -> None:
-        self._build = build  # (options, prompt_len, **request) -> SamplingParams
+    def __init__(self, build: Callable[..., SamplingParams]) -> None:
+        # build_sampling_params with the model's keywords bound: (options, prompt_len=,
+        # **request) -> SamplingParams.
+        self._build = build
         self._table: dict[Any, SamplingParams] = {}
 
     def get(self, options: SamplingOptions, prompt_len: int, **request: Any) -> SamplingParams:
@@ -138,7 +140,7 @@ class SharedParams:
             or request.get("kv_transfer_params")
             or (seed is not None and seed < 0)  # vLLM reads -1 as none: built as asked
         ):
-            return self._build(options, prompt_len, **request)
+            return self._build(options, prompt_len=prompt_len, **request)
         # The default max_tokens depends on the prompt's length; a set one does not.
         key = (
             _ALL_BUT_SEED(options),
@@ -149,9 +151,9 @@ class SharedParams:
         try:
             params = self._table.get(key)
         except TypeError:  # unhashable options (a logit bias map): built for the request
-            return self._build(options, prompt_len, **request)
+            return self._build(options, prompt_len=prompt_len, **request)
         if params is None:
-            params = self._build(options, prompt_len, **request)
+            params = self._build(options, prompt_len=prompt_len, **request)
             if len(self._table) >= self.LIMIT:
                 self._table.clear()
             self._table[key] = params
