@@ -35,6 +35,18 @@ ENGINE_FLAGS = {
     "max_loras": 2,
     "scheduling_policy": "priority",
 }
+# An RL rollout worker: RL weight updates through the file backend (engine/vllm/
+# file_weights.py) and a reasoning configuration (think markers as text: the tiny tokenizer
+# writes each as a few tokens), for thinking budgets.
+THINK = ("<think>", "</think>")
+RL_FLAGS: dict[str, object] = {
+    **BASE_FLAGS,
+    # Two more engines (ours, vllm-rs's) beside the session's: a small share of memory each
+    # (vLLM-CPU refuses to start when less than this share of the memory is free).
+    "gpu_memory_utilization": 0.1,
+    "weight_transfer_config": {"backend": "file"},
+    "reasoning_config": {"reasoning_start_str": THINK[0], "reasoning_end_str": THINK[1]},
+}
 # A pooling engine over the same checkpoint, for embeddings.
 EMBED_FLAGS = {**BASE_FLAGS, "runner": "pooling", "convert": "embed"}
 LORA_NAME = "tiny-lora"
@@ -146,7 +158,7 @@ async def start_engine(
     alive by something vLLM stores while it imports, and with it the thread's frames and
     the engine they built, until the interpreter exits (where AsyncLLM's finalizer fails).
     """
-    from vllm.config import KVEventsConfig
+    from vllm.config import KVEventsConfig, ReasoningConfig
     from vllm.engine.arg_utils import AsyncEngineArgs
 
     from vllm_router.engine.vllm import VllmEngine
@@ -154,5 +166,7 @@ async def start_engine(
     flags: dict[str, Any] = dict(engine_flags)  # keyword arguments of AsyncEngineArgs
     if isinstance(flags.get("kv_events_config"), dict):
         flags["kv_events_config"] = KVEventsConfig(**flags["kv_events_config"])
+    if isinstance(flags.get("reasoning_config"), dict):  # AsyncEngineArgs takes no dict here
+        flags["reasoning_config"] = ReasoningConfig(**flags["reasoning_config"])
     args = AsyncEngineArgs(model=str(model), **flags)
     return await asyncio.to_thread(VllmEngine.from_engine_args, args)

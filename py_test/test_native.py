@@ -322,9 +322,9 @@ async def test_dp_rank_from_metadata(start_mock: StartServer) -> None:
             "bad_words_token_ids",
         ),
         (
-            native([10], stopping=npb.StoppingCriteria(thinking_token_budget=5)),
-            grpc.StatusCode.UNIMPLEMENTED,
-            "thinking_token_budget",
+            native([10], stopping=npb.StoppingCriteria(thinking_token_budget=-2)),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "`thinking_token_budget` must be a non-negative integer or -1 for unlimited.",
         ),
         (
             native([10], kv=npb.KVCacheParameters(ec_transfer_params=struct_pb2.Struct())),

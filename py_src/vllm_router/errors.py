@@ -99,6 +99,14 @@ class RequestFailed(EngineUnavailable):
     transfer that failed): the request may succeed on another worker, this one serves on."""
 
 
+class EngineOperationFailed(ServicerError):
+    """The engine refused or failed an operation it was asked for (a weight update out of
+    order, a weight-transfer backend's error); the message is the engine's own. INTERNAL,
+    as vLLM's Rust front end answers it, but not a bug in this server."""
+
+    code = grpc.StatusCode.INTERNAL
+
+
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """(status code, message) for an exception raised while serving an RPC.
 

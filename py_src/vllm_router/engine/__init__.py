@@ -6,7 +6,7 @@
 
 from .handoff import Handoff, TokenSink, hands_over
 from .media_types import DTYPE_SIZES, MediaItem, ProcessedMedia, RawTensor
-from .protocol import AsyncEngine, PauseMode
+from .protocol import NO_DRAFT_MODEL, NO_WEIGHT_TRANSFER, AsyncEngine, PauseMode
 from .types import (
     NEUTRAL_DEFAULT,
     Embedding,
@@ -31,6 +31,8 @@ from .types import (
 __all__ = [
     "DTYPE_SIZES",
     "NEUTRAL_DEFAULT",
+    "NO_DRAFT_MODEL",
+    "NO_WEIGHT_TRANSFER",
     "AsyncEngine",
     "Embedding",
     "EngineProgress",

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator
-from typing import Literal, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 from prometheus_client.registry import Collector
 
@@ -20,6 +20,10 @@ from .types import (
     ModelFacts,
     RankLoad,
 )
+
+# The refusals of a weight update an engine cannot take (vLLM's Rust front end's words).
+NO_WEIGHT_TRANSFER = "weight transfer is not configured; start vLLM with --weight-transfer-config"
+NO_DRAFT_MODEL = "draft weight updates require a configured speculative draft model"
 
 # What happens to requests in flight when the engine pauses (vLLM's PauseMode).
 PauseMode = Literal["abort", "wait", "keep"]
@@ -133,6 +137,21 @@ class AsyncEngine(Protocol):
         ...
 
     async def set_weight_version(self, version: str) -> None: ...
+
+    # An RL trainer's weight update, in vLLM's order: init (once per trainer connection),
+    # start (or start a draft model's), update (one chunk or many), finish (with the version
+    # the new weights are, if given). Each refuses NotConfigured on an engine started without
+    # a weight-transfer backend; the engine's own refusals (out of order, a backend that
+    # fails) are EngineOperationFailed. None pauses generation: the caller chooses
+    # (`pause`, then the update, then `resume`).
+
+    async def init_weight_transfer(self, init_info: dict[str, Any]) -> None: ...
+
+    async def start_weight_update(self, *, draft: bool) -> None: ...
+
+    async def update_weights(self, update_info: dict[str, Any]) -> None: ...
+
+    async def finish_weight_update(self, version: str | None) -> None: ...
 
     async def start_profile(self) -> None:
         """Start the engine's profiler; NotConfigured when none was configured."""

@@ -77,6 +77,9 @@ class SamplingOptions:
     spaces_between_special_tokens: bool | None = None
     # Emit a step's output only every this many tokens (first and last always at once).
     stream_interval: int | None = None
+    # Tokens the model may think for before the engine closes its reasoning (None: no
+    # limit); only an engine with a reasoning configuration applies it.
+    thinking_token_budget: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +118,11 @@ class GenerationRequest:
     skip_prefix_cache: bool = False
     # The caller's session (vLLM's session_id on the engine request).
     session_id: str | None = None
+    # Where a structured-output constraint starts on an engine with a reasoning parser:
+    # True from the first token (reasoning is over), False after the reasoning ends, None as
+    # the engine reads it from the prompt; and the parser's chat-template keywords.
+    reasoning_ended: bool | None = None
+    reasoning_kwargs: Mapping[str, Any] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,6 +211,9 @@ class ModelFacts:
     # see the thought's end (False: it applies from the first token; None: unknown).
     reasoning_parser: str = ""
     grammar_after_reasoning: bool | None = None
+    # The engine runs a reasoning configuration (--reasoning-parser / --reasoning-config):
+    # it applies a request's thinking-token budget.
+    thinking_budget: bool = False
     # Media the model takes: modality -> items per prompt at most (--limit-mm-per-prompt);
     # empty for a text-only model.
     media_limits: Mapping[str, int] = field(default_factory=dict)
@@ -217,6 +228,8 @@ class ModelFacts:
     max_loras: int = 0
     sleep_mode: bool = False  # --enable-sleep-mode
     weight_transfer_backend: str = ""  # --weight-transfer-config ("" without)
+    # Weight updates for a speculative draft model (a backend and a draft model).
+    draft_weight_updates: bool = False
     instance_id: str = ""  # the engine's own id, stable for its life
 
 

@@ -40,6 +40,13 @@ class MockConfig:
         metadata={"help": "take images, one placeholder of this token id each (0: text only)"},
     )
     max_images: int = field(default=4, metadata={"help": "images per prompt at most"})
+    weight_transfer_backend: str = field(
+        default="",
+        metadata={
+            "help": "take RL weight updates as an engine with this backend would "
+            "(the mock keeps its outputs; default: none, refused as vLLM refuses)"
+        },
+    )
     allowed_media_domains: str = field(
         default="", metadata={"help": "hosts media URLs may name, comma-separated (as vLLM's)"}
     )

@@ -31,11 +31,14 @@ import time
 from collections import deque
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
+from typing import Any
 
 from prometheus_client.registry import Collector
 
 from .. import __version__
 from ..engine import (
+    NO_DRAFT_MODEL,
+    NO_WEIGHT_TRANSFER,
     Embedding,
     EngineProgress,
     EngineStep,
@@ -52,7 +55,13 @@ from ..engine import (
     hands_over,
 )
 from ..engine.types import FinishReason
-from ..errors import EngineDead, InvalidRequest, NotConfigured, Unsupported
+from ..errors import (
+    EngineDead,
+    EngineOperationFailed,
+    InvalidRequest,
+    NotConfigured,
+    Unsupported,
+)
 from .mock_config import MockConfig
 from .mock_decode import SampleDecoder, cached_prefix, check_supported, every_interval
 from .mock_load import load_of, rank_loads
@@ -98,6 +107,7 @@ class MockAsyncEngine:
             engine_version=__version__,
             max_num_seqs=config.max_num_seqs,
             grammar_after_reasoning=False,  # no reasoning parser: constraints bind at once
+            weight_transfer_backend=config.weight_transfer_backend,
             media_limits=media_limits(config),
             allowed_media_domains=tuple(d for d in config.allowed_media_domains.split(",") if d),
             allowed_local_media_path=config.allowed_local_media_path,
@@ -115,6 +125,9 @@ class MockAsyncEngine:
         self._running.set()
         self._pause_drained = asyncio.Event()  # set when no request runs through a pause
         self._weight_version = "default"
+        # A weight update between start and finish (vLLM's workers keep the same flag).
+        self._updating = False
+        self.weight_updates: list[dict[str, Any]] = []  # every update_info taken
         self._last_step = time.monotonic()
         # Monotonic time until which every request's steps are held (stall injection).
         self._stalled_until: float | None = None
@@ -229,6 +242,43 @@ class MockAsyncEngine:
 
     async def set_weight_version(self, version: str) -> None:
         self._weight_version = version
+
+    async def init_weight_transfer(self, init_info: dict[str, Any]) -> None:
+        self._require_weight_transfer()
+
+    async def start_weight_update(self, *, draft: bool) -> None:
+        self._require_weight_transfer()
+        if draft:
+            raise NotConfigured(NO_DRAFT_MODEL)
+        if self._updating:
+            raise EngineOperationFailed(
+                "start_weight_update failed: start_weight_update called while a weight "
+                "update is already active. Call finish_weight_update first."
+            )
+        self._updating = True
+
+    async def update_weights(self, update_info: dict[str, Any]) -> None:
+        self._require_weight_transfer()
+        if not self._updating:
+            raise EngineOperationFailed(
+                "update_weights failed: start_weight_update must be called before update_weights."
+            )
+        self.weight_updates.append(update_info)
+
+    async def finish_weight_update(self, version: str | None) -> None:
+        self._require_weight_transfer()
+        if not self._updating:
+            raise EngineOperationFailed(
+                "finish_weight_update failed: finish_weight_update called without a matching "
+                "start_weight_update."
+            )
+        self._updating = False
+        if version is not None:
+            self._weight_version = version
+
+    def _require_weight_transfer(self) -> None:
+        if not self._facts.weight_transfer_backend:
+            raise NotConfigured(NO_WEIGHT_TRANSFER)
 
     stop_profile = start_profile
 

@@ -7,17 +7,22 @@ one past the context) generates until the context is full (the router sends 0 wh
 client set no maximum), text is produced unless `response.output_text` is false,
 logprobs only with `response.output_logprobs` (its candidates saying how many
 alternatives), and the data-parallel rank comes from the `x-data-parallel-rank` call
-metadata. Checks run in vllm-rs's order where a request is wrong twice: the request's own
-fields, then its LoRA (`lora_name` on a worker without LoRA is FAILED_PRECONDITION), then
-its media, then (at admission) its prompt and sampling values. One difference is kept:
-`num_sequences` > 1 is served on GenerateStream (vllm-rs refuses it). Sampling is read
+metadata. Checks run in vllm-rs's order where a request is wrong twice: the rank's form,
+the model, the prompt's presence (`check_first`), then the request's own fields, its LoRA
+(`lora_name` on a worker without LoRA is FAILED_PRECONDITION), its media, then (at
+admission) its prompt and sampling values. One difference is kept: `num_sequences` > 1 is
+served on GenerateStream (vllm-rs refuses it), except that a request refused for anything
+else is told vllm-rs's refusal of the sequences (`sequences_first`). A thinking budget and
+a reasoning gate are passed to the engine as vllm-rs passes them. Sampling is read
 through the core's table (`SAMPLING`), as on every contract.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Mapping, Sequence
+import json
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from typing import Any
 
 from google.protobuf import json_format
@@ -25,7 +30,15 @@ from google.protobuf import json_format
 from ...core.request_fields import checked_dp_rank, checked_request_id
 from ...core.sampling import SamplingTable
 from ...engine import GenerationRequest, MediaItem, ModelFacts, PauseMode, StructuredOutputs
-from ...errors import InvalidRequest, NotConfigured, NotFound, Unsupported
+from ...errors import (
+    EngineUnavailable,
+    InvalidRequest,
+    NotConfigured,
+    NotFound,
+    Overloaded,
+    ServicerError,
+    Unsupported,
+)
 from ...proto import vllm_native_pb2 as npb
 
 DP_RANK_KEY = "x-data-parallel-rank"
@@ -50,7 +63,6 @@ _MODALITIES = {
 _REFUSED = {
     "watermarking": "watermarking is not served by this worker",
     "kv_hints": "KV hints are not served by this worker",
-    "engine_reasoning_gate": "no reasoning parser runs in this worker",
 }
 
 
@@ -59,10 +71,6 @@ def _refuse_unserved(request: npb.GenerateRequest) -> None:
         # watermarking false asks for nothing.
         if request.HasField(name) and (name != "watermarking" or request.watermarking):
             raise Unsupported(f"{name} is set: {why}")
-    if request.stopping.HasField("thinking_token_budget"):
-        raise Unsupported(
-            "stopping.thinking_token_budget is set: no reasoning parser runs in this worker"
-        )
     if request.decoding.bad_words_token_ids:
         raise Unsupported(
             "decoding.bad_words_token_ids is not served: vLLM's AsyncLLM takes bad words as "
@@ -106,6 +114,23 @@ def _scores(
     return 0, ()
 
 
+def _thinking_budget(request: npb.GenerateRequest) -> int | None:
+    """stopping.thinking_token_budget: unset or -1 is no limit, as vllm-rs reads it (a value
+    below -1 is refused later, in vllm-rs's order: `_checked_budget`)."""
+    stopping = request.stopping
+    if not stopping.HasField("thinking_token_budget"):
+        return None
+    budget = stopping.thinking_token_budget
+    return None if budget == -1 else budget
+
+
+def _checked_budget(budget: int | None) -> None:
+    if budget is not None and budget < 0:
+        raise InvalidRequest(
+            "`thinking_token_budget` must be a non-negative integer or -1 for unlimited."
+        )
+
+
 def _output_scores(request: npb.GenerateRequest) -> tuple[int | None, tuple[int, ...]]:
     response = request.response
     output = response.output_candidates if response.HasField("output_candidates") else None
@@ -143,6 +168,7 @@ SAMPLING = SamplingTable(
         "logprobs": lambda request: _output_scores(request)[0],
         "logprob_token_ids": lambda request: _output_scores(request)[1],
         "structured_outputs": _structured_outputs,
+        "thinking_token_budget": _thinking_budget,
     },
     # As vllm-rs: an unset temperature is greedy, num_sequences 0 is one sequence.
     fallbacks={"temperature": 0.0, "n": 1, **dict.fromkeys(_ZERO_IS_UNSET)},
@@ -153,7 +179,6 @@ HANDLED_ELSEWHERE = frozenset(
     {
         *(f"decoding.{member}" for member in _CONSTRAINTS),
         "decoding.bad_words_token_ids",  # refused
-        "stopping.thinking_token_budget",  # refused
         "response.prompt_candidates",
         "response.output_logprobs",
         "response.output_candidates",
@@ -167,19 +192,24 @@ HANDLED_ELSEWHERE = frozenset(
 # -- the request --------------------------------------------------------------------------------
 
 
-def dp_rank(metadata: Sequence[tuple[str, str | bytes]] | None, facts: ModelFacts) -> int | None:
-    """The data-parallel rank the router pinned the request to (call metadata)."""
+def dp_rank_value(metadata: Sequence[tuple[str, str | bytes]] | None) -> int | None:
+    """The `x-data-parallel-rank` call metadata as a number (None: not sent)."""
     for key, value in metadata or ():
         if key == DP_RANK_KEY:
             text = value if isinstance(value, str) else value.decode(errors="replace")
             try:
-                rank = int(text.strip())
+                return int(text.strip())
             except ValueError:
                 raise InvalidRequest(
                     f"{DP_RANK_KEY} metadata must be an integer, got {text!r}"
                 ) from None
-            return checked_dp_rank(rank, facts, DP_RANK_KEY)
     return None
+
+
+def dp_rank(metadata: Sequence[tuple[str, str | bytes]] | None, facts: ModelFacts) -> int | None:
+    """The data-parallel rank the router pinned the request to (call metadata)."""
+    rank = dp_rank_value(metadata)
+    return None if rank is None else checked_dp_rank(rank, facts, DP_RANK_KEY)
 
 
 def _media(request: npb.GenerateRequest, facts: ModelFacts) -> dict[str, Any]:
@@ -233,11 +263,31 @@ def _checked_model(model: str, facts: ModelFacts) -> None:
         )
 
 
-def _checked_lora(lora_name: str, facts: ModelFacts) -> str | None:
-    """The adapter a request names (None: the base model), on a worker with LoRA."""
-    if lora_name and not facts.supports_lora:
+def _checked_lora(lora_name: str, facts: ModelFacts, loaded: Collection[str]) -> str | None:
+    """The adapter a request names (None: the base model), on a worker with LoRA, loaded."""
+    if not lora_name:
+        return None
+    if not facts.supports_lora:
         raise NotConfigured(NO_LORA)
-    return lora_name or None
+    if lora_name not in loaded:
+        raise NotFound(f"LoRA adapter `{lora_name}` is not loaded")
+    return lora_name
+
+
+# What vllm-rs (and vLLM's Python front end) take as a cache salt.
+_SALT_MAX = 128
+_SALT_FORBIDDEN = frozenset("@/\\\0")
+
+
+def _checked_salt(salt: str) -> str | None:
+    if not salt:
+        return None
+    if len(salt) > _SALT_MAX or not _SALT_FORBIDDEN.isdisjoint(salt):
+        raise InvalidRequest(
+            "Parameter 'cache_salt' must be a non-empty string of at most 128 characters "
+            "and must not contain '@', '/', '\\', or NUL."
+        )
+    return salt
 
 
 def kv_transfer_params(kv: npb.KVCacheParameters) -> Mapping[str, Any] | None:
@@ -253,16 +303,25 @@ def to_generation_request(
     trace: Mapping[str, str] | None,
     *,
     unary: bool = False,
+    loaded: Collection[str] = (),
 ) -> GenerationRequest:
     """The request as the engine takes it. A text prompt stays text: admission tokenizes
     it (`needs_prompt_ids` says when the servicer needs its ids first, `with_prompt_ids`
-    truncates them). `unary`: for Generate, which answers one sequence."""
-    _checked_model(request.model, facts)
+    truncates them). `unary`: for Generate, which answers one sequence. `loaded`: the
+    LoRA adapters the engine has (read by the servicer when the request names one)."""
+    check_first(request, metadata, facts)
     _refuse_unserved(request)
     sampling = SAMPLING.read(request)
+    lora_name = _checked_lora(request.lora_name, facts, loaded)
+    media = _media(request, facts)
+    cache_salt = _checked_salt(request.kv.cache_salt)
+    _checked_budget(sampling.thinking_token_budget)
+    if sampling.thinking_token_budget is not None and not facts.thinking_budget:
+        # As vllm-rs: taken, and without effect on an engine with no reasoning
+        # configuration (its engine core applies a budget only with one; vLLM's Python
+        # front end would refuse it).
+        sampling = dataclasses.replace(sampling, thinking_token_budget=None)
     prompt = request.WhichOneof("prompt")
-    if prompt is None:
-        raise InvalidRequest("prompt is required: set token_ids or text")
     ids: list[int] | None = None
     text: str | None = None
     if prompt == "text":
@@ -279,7 +338,6 @@ def to_generation_request(
             "Generate answers one sequence (its response has one `outputs`): use "
             "GenerateStream for sampling.num_sequences > 1"
         )
-    lora_name = _checked_lora(request.lora_name, facts)
     return GenerationRequest(
         request_id=request_id,
         prompt_token_ids=ids,
@@ -293,11 +351,59 @@ def to_generation_request(
         kv_transfer_params=kv_transfer_params(request.kv),
         fill_context=True,
         prompt_field="token_ids",
-        cache_salt=request.kv.cache_salt or None,
+        cache_salt=cache_salt,
         skip_prefix_cache=request.kv.bypass_prefix_cache,
         session_id=request.session_id or None,
-        **_media(request, facts),
+        **_reasoning_gate(request),
+        **media,
     )
+
+
+def _reasoning_gate(request: npb.GenerateRequest) -> dict[str, Any]:
+    """engine_reasoning_gate, passed to the engine as vllm-rs passes it (it matters only
+    to a structured-output constraint on an engine with a reasoning parser)."""
+    if not request.HasField("engine_reasoning_gate"):
+        return {}
+    gate = request.engine_reasoning_gate
+    return {
+        "reasoning_ended": gate.reasoning_ended if gate.HasField("reasoning_ended") else None,
+        "reasoning_kwargs": {
+            "chat_template_kwargs": json_format.MessageToDict(gate.chat_template_kwargs)
+        },
+    }
+
+
+def check_first(
+    request: npb.GenerateRequest,
+    metadata: Sequence[tuple[str, str | bytes]] | None,
+    facts: ModelFacts,
+) -> None:
+    """What vllm-rs checks before it looks at `num_sequences`: the data-parallel rank's
+    form, the model, that there is a prompt."""
+    dp_rank_value(metadata)
+    _checked_model(request.model, facts)
+    if request.WhichOneof("prompt") is None:
+        raise InvalidRequest("prompt is required: set token_ids or text")
+
+
+MANY_SEQUENCES = "num_sequences > 1 is not supported"
+# Failures that are not the request's fault: told as they are whatever it asked.
+_NOT_REFUSALS = (EngineUnavailable, Overloaded)
+
+
+@contextlib.contextmanager
+def sequences_first(request: npb.GenerateRequest) -> Iterator[None]:
+    """num_sequences > 1, which vllm-rs refuses and this worker serves: a request refused for
+    anything vllm-rs checks after it (its LoRA, media, prompt and sampling values, ...) is
+    told vllm-rs's refusal of the sequences, so a router sees the reference's answer to
+    every request the reference refuses. Wraps a request's handling (its refusals all come
+    before its first message; `check_first` runs before it)."""
+    try:
+        yield
+    except ServicerError as exc:
+        if request.sampling.num_sequences > 1 and not isinstance(exc, _NOT_REFUSALS):
+            raise InvalidRequest(MANY_SEQUENCES) from exc
+        raise
 
 
 def _check_truncation(request: npb.GenerateRequest, facts: ModelFacts) -> None:
@@ -371,3 +477,22 @@ def sleep(request: npb.SleepRequest) -> tuple[int, PauseMode]:
     if level not in (1, 2):
         raise InvalidRequest(f"level must be 1 or 2, got {level}")
     return level, pause_mode(request.mode)
+
+
+def json_object(data: bytes, field: str) -> dict[str, Any]:
+    """A weight-transfer RPC's JSON bytes, which must hold an object (as vllm-rs reads them:
+    the per-worker list form vLLM's HTTP route takes is not one)."""
+    try:
+        value = json.loads(data)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise InvalidRequest(f"{field} must contain valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise InvalidRequest(f"{field} must contain a JSON object")
+    return value
+
+
+def weight_version(version: str) -> str:
+    """A weight version a trainer sets: any text but a blank one (kept as sent)."""
+    if not version.strip():
+        raise InvalidRequest("weight_version must not be empty")
+    return version

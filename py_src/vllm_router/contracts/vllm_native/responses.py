@@ -202,6 +202,7 @@ def server_info(facts: ModelFacts, instance_id: str) -> npb.GetServerInfoRespons
             sleep_mode_enabled=facts.sleep_mode,
             weight_transfer_enabled=bool(facts.weight_transfer_backend),
             weight_transfer_backend=facts.weight_transfer_backend,
+            draft_weight_updates_enabled=facts.draft_weight_updates,
         ),
         proto_version=PROTO_VERSION,
         effective_attention_block_size=facts.block_size,

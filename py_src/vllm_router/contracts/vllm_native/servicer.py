@@ -8,18 +8,19 @@ mapped by `core.handles_errors` as for every contract.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import uuid
 from collections.abc import AsyncIterator, Callable
-from typing import NoReturn, TypeAlias
+from typing import TypeAlias
 
 import grpc
 
 from ...core import ContractServicer, handles_errors
 from ...core.accumulate import RequestResult
 from ...core.request_fields import trace_headers
-from ...engine import EngineStep, GenerationRequest, LoraAdapter
-from ...errors import InvalidRequest, NotConfigured, NotFound, Unsupported
+from ...engine import NO_DRAFT_MODEL, NO_WEIGHT_TRANSFER, EngineStep, GenerationRequest, LoraAdapter
+from ...errors import InvalidRequest, NotConfigured, NotFound
 from ...proto import vllm_native_pb2 as npb
 from ...proto import vllm_native_pb2_grpc as npb_grpc
 from . import convert, responses
@@ -28,8 +29,6 @@ from .responses import Wanted
 INFERENCE_SERVICE = npb.DESCRIPTOR.services_by_name["Inference"].full_name
 CONTROL_SERVICE = npb.DESCRIPTOR.services_by_name["Control"].full_name
 Context: TypeAlias = grpc.aio.ServicerContext
-
-NO_WEIGHT_TRANSFER = "weight transfer is not configured; start vLLM with --weight-transfer-config"
 
 
 class NativeInferenceServicer(ContractServicer, npb_grpc.InferenceServicer):
@@ -40,8 +39,11 @@ class NativeInferenceServicer(ContractServicer, npb_grpc.InferenceServicer):
     ) -> GenerationRequest:
         metadata = context.invocation_metadata()
         facts = self._engine.facts
+        loaded: list[str] = []
+        if request.lora_name and facts.supports_lora:
+            loaded = [adapter.name for adapter in await self._engine.list_lora_adapters()]
         generation = convert.to_generation_request(
-            request, facts, metadata, trace_headers(metadata), unary=unary
+            request, facts, metadata, trace_headers(metadata), unary=unary, loaded=loaded
         )
         if convert.needs_prompt_ids(generation, request):
             # The echo and the truncation need a text prompt's ids before it runs.
@@ -53,13 +55,15 @@ class NativeInferenceServicer(ContractServicer, npb_grpc.InferenceServicer):
     async def GenerateStream(
         self, request: npb.GenerateRequest, context: Context
     ) -> AsyncIterator[npb.GenerateResponse]:
-        generation = await self._generation(request, context)
-        wanted = Wanted.of(request.response)
-        render = self._stream_renderer(wanted, generation.prompt_token_ids)
-        decode = responses.decoded_output(wanted)
-        async with self._requests.run(generation, direct=self._direct(context)) as flight:
-            async for message in flight.messages(render, decode):
-                yield message
+        convert.check_first(request, context.invocation_metadata(), self._engine.facts)
+        with convert.sequences_first(request):
+            generation = await self._generation(request, context)
+            wanted = Wanted.of(request.response)
+            render = self._stream_renderer(wanted, generation.prompt_token_ids)
+            decode = responses.decoded_output(wanted)
+            async with self._requests.run(generation, direct=self._direct(context)) as flight:
+                async for message in flight.messages(render, decode):
+                    yield message
 
     def _stream_renderer(
         self, wanted: Wanted, prompt_ids: list[int] | None
@@ -83,12 +87,14 @@ class NativeInferenceServicer(ContractServicer, npb_grpc.InferenceServicer):
     async def Generate(
         self, request: npb.GenerateRequest, context: Context
     ) -> npb.GenerateResponse:
-        generation = await self._generation(request, context, unary=True)
-        result = RequestResult()
-        async with self._requests.run(generation) as flight:
-            async for step in flight.steps():
-                result.add(step)
-            flight.answering()  # the whole answer, below
+        convert.check_first(request, context.invocation_metadata(), self._engine.facts)
+        with convert.sequences_first(request):
+            generation = await self._generation(request, context, unary=True)
+            result = RequestResult()
+            async with self._requests.run(generation) as flight:
+                async for step in flight.steps():
+                    result.add(step)
+                flight.answering()  # the whole answer, below
         wanted = Wanted.of(request.response)
         return responses.whole_answer(result, generation.prompt_token_ids, wanted, self._eos)
 
@@ -105,13 +111,15 @@ class NativeControlServicer(ContractServicer, npb_grpc.ControlServicer):
         if not self._engine.facts.supports_lora:
             raise NotConfigured(convert.NO_LORA)
 
-    def _weight_transfer(self) -> NoReturn:
+    @functools.cached_property
+    def _rl_lock(self) -> asyncio.Lock:
+        # One RL operation at a time (pause, resume, sleep, wake, a weight-update step, a
+        # version), in arrival order, as vllm-rs serializes them; checks run before it.
+        return asyncio.Lock()
+
+    def _require_weight_transfer(self) -> None:
         if not self._engine.facts.weight_transfer_backend:
             raise NotConfigured(NO_WEIGHT_TRANSFER)
-        raise Unsupported(
-            "weight transfer is not served over this worker's gRPC yet; use vLLM's own server "
-            "for RL weight updates"
-        )
 
     @handles_errors
     async def GetServerInfo(
@@ -194,7 +202,8 @@ class NativeControlServicer(ContractServicer, npb_grpc.ControlServicer):
     ) -> npb.PauseGenerationResponse:
         mode, clear_cache = convert.pause(request)
         await self._state.require_engine()
-        await self._engine.pause(mode, clear_cache)
+        async with self._rl_lock:
+            await self._engine.pause(mode, clear_cache)
         return npb.PauseGenerationResponse()
 
     @handles_errors
@@ -202,7 +211,8 @@ class NativeControlServicer(ContractServicer, npb_grpc.ControlServicer):
         self, request: npb.ResumeGenerationRequest, context: Context
     ) -> npb.ResumeGenerationResponse:
         await self._state.require_engine()
-        await self._engine.resume()
+        async with self._rl_lock:
+            await self._engine.resume()
         return npb.ResumeGenerationResponse()
 
     @handles_errors
@@ -216,13 +226,15 @@ class NativeControlServicer(ContractServicer, npb_grpc.ControlServicer):
     async def Sleep(self, request: npb.SleepRequest, context: Context) -> npb.SleepResponse:
         level, mode = convert.sleep(request)
         await self._state.require_engine()
-        await self._engine.sleep(level, mode)
+        async with self._rl_lock:
+            await self._engine.sleep(level, mode)
         return npb.SleepResponse()
 
     @handles_errors
     async def WakeUp(self, request: npb.WakeUpRequest, context: Context) -> npb.WakeUpResponse:
         await self._state.require_engine()
-        await self._engine.wake_up(list(request.tags) or None)
+        async with self._rl_lock:
+            await self._engine.wake_up(list(request.tags) or None)
         return npb.WakeUpResponse()
 
     @handles_errors
@@ -236,40 +248,67 @@ class NativeControlServicer(ContractServicer, npb_grpc.ControlServicer):
     async def InitWeightTransferEngine(
         self, request: npb.InitWeightTransferEngineRequest, context: Context
     ) -> npb.InitWeightTransferEngineResponse:
-        self._weight_transfer()
+        self._require_weight_transfer()
+        init_info = convert.json_object(request.init_info_json, "init_info_json")
+        await self._state.require_engine()
+        async with self._rl_lock:
+            await self._engine.init_weight_transfer(init_info)
+        return npb.InitWeightTransferEngineResponse()
 
     @handles_errors
     async def StartWeightUpdate(
         self, request: npb.StartWeightUpdateRequest, context: Context
     ) -> npb.StartWeightUpdateResponse:
-        self._weight_transfer()
+        self._require_weight_transfer()
+        await self._state.require_engine()
+        async with self._rl_lock:
+            await self._engine.start_weight_update(draft=False)
+        return npb.StartWeightUpdateResponse()
 
     @handles_errors
     async def StartDraftWeightUpdate(
         self, request: npb.StartDraftWeightUpdateRequest, context: Context
     ) -> npb.StartDraftWeightUpdateResponse:
-        self._weight_transfer()
+        self._require_weight_transfer()
+        if not self._engine.facts.draft_weight_updates:
+            raise NotConfigured(NO_DRAFT_MODEL)
+        await self._state.require_engine()
+        async with self._rl_lock:
+            await self._engine.start_weight_update(draft=True)
+        return npb.StartDraftWeightUpdateResponse()
 
     @handles_errors
     async def UpdateWeights(
         self, request: npb.UpdateWeightsRequest, context: Context
     ) -> npb.UpdateWeightsResponse:
-        self._weight_transfer()
+        self._require_weight_transfer()
+        update_info = convert.json_object(request.update_info_json, "update_info_json")
+        await self._state.require_engine()
+        async with self._rl_lock:
+            await self._engine.update_weights(update_info)
+        return npb.UpdateWeightsResponse()
 
     @handles_errors
     async def FinishWeightUpdate(
         self, request: npb.FinishWeightUpdateRequest, context: Context
     ) -> npb.FinishWeightUpdateResponse:
-        self._weight_transfer()
+        self._require_weight_transfer()
+        version = None
+        if request.HasField("weight_version"):
+            version = convert.weight_version(request.weight_version)
+        await self._state.require_engine()
+        async with self._rl_lock:
+            await self._engine.finish_weight_update(version)
+        return npb.FinishWeightUpdateResponse()
 
     @handles_errors
     async def UpdateWeightVersion(
         self, request: npb.UpdateWeightVersionRequest, context: Context
     ) -> npb.UpdateWeightVersionResponse:
-        if not request.weight_version.strip():
-            raise InvalidRequest("weight_version must not be empty")
+        version = convert.weight_version(request.weight_version)
         await self._state.require_engine()
-        await self._engine.set_weight_version(request.weight_version)
+        async with self._rl_lock:
+            await self._engine.set_weight_version(version)
         return npb.UpdateWeightVersionResponse()
 
     @handles_errors

@@ -16,9 +16,15 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from prometheus_client.registry import Collector
 
-from ...errors import EngineDead, NotConfigured
+from ...errors import (
+    EngineDead,
+    EngineOperationFailed,
+    InvalidRequest,
+    NotConfigured,
+    Unsupported,
+)
 from ..handoff import TokenSink, hands_over
-from ..protocol import PauseMode
+from ..protocol import NO_DRAFT_MODEL, NO_WEIGHT_TRANSFER, PauseMode
 from ..types import (
     Embedding,
     EngineProgress,
@@ -44,6 +50,7 @@ from .compat import (
     MEDIA,
     RENDER,
     TOKENIZE,
+    WEIGHT_TRANSFER,
     check_touch_points,
 )
 from .entry import DirectEntry, VllmCall
@@ -53,7 +60,7 @@ from .generate import lean_steps, request_output_steps
 from .kv_events import kv_event_batches, kv_event_sources
 from .lora import LoraRegistry
 from .media_inputs import media_input, processed_input
-from .params import SharedParams, build_sampling_params, reraise
+from .params import SharedParams, build_sampling_params, reraise, translate_error
 from .stats import BulkLatencies, LoadBoard, capture_engine_registry
 
 if TYPE_CHECKING:
@@ -271,6 +278,55 @@ class VllmEngine:
     async def set_weight_version(self, version: str) -> None:
         await self._call(self._llm.update_weight_version, version)
 
+    async def init_weight_transfer(self, init_info: dict[str, Any]) -> None:
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+
+        self._require_weight_transfer()
+        request = WeightTransferInitRequest(init_info=init_info)
+        await self._engine_operation("init_weight_transfer_engine", request)
+
+    async def start_weight_update(self, *, draft: bool) -> None:
+        self._require_weight_transfer()
+        if draft:
+            if not self._facts.draft_weight_updates:
+                raise NotConfigured(NO_DRAFT_MODEL)
+            await self._engine_operation("start_draft_weight_update")
+        else:
+            await self._engine_operation("start_weight_update")
+
+    async def update_weights(self, update_info: dict[str, Any]) -> None:
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        self._require_weight_transfer()
+        request = WeightTransferUpdateRequest(update_info=update_info)
+        await self._engine_operation("update_weights", request)
+
+    async def finish_weight_update(self, version: str | None) -> None:
+        self._require_weight_transfer()
+        await self._engine_operation("finish_weight_update", weight_version=version)
+
+    def _require_weight_transfer(self) -> None:
+        if not self._facts.weight_transfer_backend:
+            raise NotConfigured(NO_WEIGHT_TRANSFER)
+        if WEIGHT_TRANSFER not in self.features:
+            raise Unsupported(
+                f"this vLLM's weight-transfer API is not the one this worker was built for "
+                f"(vLLM {self._facts.engine_version}; see the start-up log)"
+            )
+
+    async def _engine_operation(self, name: str, *args: Any, **kwargs: Any) -> None:
+        """One of AsyncLLM's engine operations; the engine's refusal (its workers' message,
+        e.g. an update out of order) is told as vLLM's Rust front end tells it."""
+        if self._llm.errored:
+            raise EngineDead("vLLM engine is dead; retry on another worker")
+        try:
+            await getattr(self._llm, name)(*args, **kwargs)
+        except Exception as exc:
+            translated = translate_error(exc)
+            if translated is not exc and not isinstance(translated, InvalidRequest):
+                raise translated from exc
+            raise EngineOperationFailed(f"{name} failed: {exc}") from exc
+
     def _require_sleep_mode(self) -> None:
         if not self._llm.vllm_config.model_config.enable_sleep_mode:
             raise NotConfigured(
@@ -396,6 +452,7 @@ class VllmEngine:
                 "data_parallel_rank": request.dp_rank,
                 # Only when set: a vLLM without sessions still serves everything else.
                 **({"session_id": request.session_id} if request.session_id else {}),
+                **_reasoning_gate(request),
             },
             detokenize=request.detokenize,
         )
@@ -428,3 +485,13 @@ class VllmEngine:
                 yield step
         finally:
             await steps.aclose()
+
+
+def _reasoning_gate(request: GenerationRequest) -> dict[str, Any]:
+    """The reasoning gate's keywords for AsyncLLM, only when the request sets it."""
+    gate: dict[str, Any] = {}
+    if request.reasoning_ended is not None:
+        gate["reasoning_ended"] = request.reasoning_ended
+    if request.reasoning_kwargs is not None:
+        gate["reasoning_parser_kwargs"] = dict(request.reasoning_kwargs)
+    return gate

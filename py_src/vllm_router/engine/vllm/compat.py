@@ -40,6 +40,7 @@ FAST_OUTPUTS = "token-only decode steps without vLLM's per-request output work"
 BULK_LATENCIES = "inter-token latencies observed by value, not one by one"
 ENGINE_PROGRESS = "the engine progress watchdog"
 DIRECT_ENTRY = "token-id requests into the engine core without add_request's general work"
+WEIGHT_TRANSFER = "RL weight updates (vllm.Control's weight-transfer RPCs)"
 # The connector's name in a kv_transfer_config (kv_store.py).
 KV_STORE_CONNECTOR = "SharedStorageConnector"
 
@@ -284,6 +285,37 @@ def _kv_store(llm: Any) -> str | None:
     return kv_store_problem()
 
 
+# AsyncLLM's weight-transfer methods and the keyword each takes (all but version calls
+# reach the workers through collective_rpc).
+WEIGHT_TRANSFER_METHODS = {
+    "init_weight_transfer_engine": (),
+    "start_weight_update": (),
+    "start_draft_weight_update": (),
+    "update_weights": (),
+    "finish_weight_update": ("weight_version",),
+}
+
+
+def _weight_transfer(llm: Any) -> str | None:
+    try:
+        from vllm.distributed.weight_transfer.base import (
+            WeightTransferInitRequest,
+            WeightTransferUpdateRequest,
+        )
+    except ImportError as exc:
+        return f"no weight-transfer request types ({exc})"
+    for name, keywords in WEIGHT_TRANSFER_METHODS.items():
+        method = getattr(type(llm), name, None)
+        if method is None:
+            return f"AsyncLLM.{name} is gone"
+        problem = missing(parameters(method), keywords)
+        if problem:
+            return f"AsyncLLM.{name}: {problem}"
+    return missing(parameters(WeightTransferInitRequest), ("init_info",)) or missing(
+        parameters(WeightTransferUpdateRequest), ("update_info",)
+    )
+
+
 @dataclass(frozen=True)
 class TouchPoint:
     name: str
@@ -334,6 +366,9 @@ TOUCH_POINTS = (
                "one observation per token, as vLLM's path", _bulk_latencies),
     TouchPoint("renderer multimodal processing, mm_input, MultiModalKwargsItems, ImageMediaIO",
                MEDIA, "media requests are refused (the model is served as text-only)", _media),
+    TouchPoint("AsyncLLM weight-transfer methods, WeightTransferInitRequest / "
+               "WeightTransferUpdateRequest", WEIGHT_TRANSFER,
+               "the weight-transfer RPCs answer UNIMPLEMENTED", _weight_transfer),
     # Reported here; the connector, in the engine core, turns itself off (kv_store.py).
     TouchPoint("ExampleConnector internals (configured connectors only)", KV_STORE,
                "the connector runs as vLLM's ExampleConnector: a decode request whose KV "

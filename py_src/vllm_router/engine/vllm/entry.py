@@ -47,7 +47,8 @@ class VllmCall:
     prompt_token_ids: list[int]
     params: SamplingParams
     # The keywords AsyncLLM.add_request and AsyncLLM.generate both take: lora_request,
-    # trace_headers, priority, data_parallel_rank (and session_id where set).
+    # trace_headers, priority, data_parallel_rank (and session_id, reasoning_ended,
+    # reasoning_parser_kwargs where set).
     options: Mapping[str, Any]
     detokenize: bool
 
@@ -82,15 +83,18 @@ class DirectEntry:
     @staticmethod
     def admits(call: VllmCall) -> bool:
         """Requests whose entry is provably add_request's: a rendered token prompt (no
-        media, no embeddings), one sample, no LoRA, no prompt logprobs."""
+        media, no embeddings), one sample, no LoRA, no prompt logprobs, no reasoning gate."""
         prompt = call.prompt
+        options = call.options
         return (
             isinstance(prompt, dict)
             and prompt.get("type") == "token"
             and "prompt" not in prompt
             and call.params.n == 1
             and call.params.prompt_logprobs is None
-            and call.options.get("lora_request") is None
+            and options.get("lora_request") is None
+            and "reasoning_ended" not in options
+            and "reasoning_parser_kwargs" not in options
         )
 
     async def supported_tasks(self) -> tuple[Any, ...]:

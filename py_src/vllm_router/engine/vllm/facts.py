@@ -155,6 +155,9 @@ def model_facts(llm: AsyncLLM, model_defaults: dict[str, Any], *, media: bool = 
         model_dtype=str(model_config.dtype),
         reasoning_parser=reasoning_parser,
         grammar_after_reasoning=grammar_after_reasoning,
+        thinking_budget=bool(
+            getattr(getattr(vllm_config, "reasoning_config", None), "enabled", False)
+        ),
         media_limits=media_limits(llm) if media else {},
         tensor_parallel_size=parallel.tensor_parallel_size,
         pipeline_parallel_size=parallel.pipeline_parallel_size,
@@ -163,7 +166,15 @@ def model_facts(llm: AsyncLLM, model_defaults: dict[str, Any], *, media: bool = 
         max_loras=vllm_config.lora_config.max_loras if vllm_config.lora_config else 0,
         sleep_mode=bool(model_config.enable_sleep_mode),
         weight_transfer_backend=str(getattr(transfer, "backend", "") or ""),
+        draft_weight_updates=transfer is not None and draft_model(vllm_config),
         instance_id=str(getattr(vllm_config, "instance_id", "") or ""),
         allowed_media_domains=tuple(model_config.allowed_media_domains or ()),
         allowed_local_media_path=model_config.allowed_local_media_path or "",
     )
+
+
+def draft_model(vllm_config: Any) -> bool:
+    """Whether a speculative draft model runs beside the model (what a draft weight update
+    updates)."""
+    speculative = getattr(vllm_config, "speculative_config", None)
+    return getattr(speculative, "draft_model_config", None) is not None

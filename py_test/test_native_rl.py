@@ -1,0 +1,190 @@
+"""vllm.Control's RL half and the native request's reasoning fields, on the mock: statuses and
+messages as vllm-rs gives them, the order of the checks, one RL call at a time. The same on
+the real engine and against vllm-rs: test_real_weight_transfer.py."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+from test_native import _code, _stream, _stream_error, control, native, stopping
+
+from vllm_router.proto import vllm_native_pb2 as npb
+
+from harness import Harness, StartServer
+
+NOT_CONFIGURED = "weight transfer is not configured; start vLLM with --weight-transfer-config"
+
+
+async def _error(call: object) -> tuple[grpc.StatusCode, str]:
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await call  # type: ignore[misc]
+    return err.value.code(), err.value.details() or ""
+
+
+async def test_weight_transfer_without_a_backend_is_refused_before_its_json(mock: Harness) -> None:
+    ctl = control(mock)
+    calls = [
+        ctl.InitWeightTransferEngine(npb.InitWeightTransferEngineRequest(init_info_json=b"{")),
+        ctl.StartWeightUpdate(npb.StartWeightUpdateRequest()),
+        ctl.StartDraftWeightUpdate(npb.StartDraftWeightUpdateRequest()),
+        ctl.UpdateWeights(npb.UpdateWeightsRequest(update_info_json=b"[]")),
+        ctl.FinishWeightUpdate(npb.FinishWeightUpdateRequest(weight_version=" ")),
+    ]
+    for call in calls:
+        assert await _error(call) == (grpc.StatusCode.FAILED_PRECONDITION, NOT_CONFIGURED)
+    info = await ctl.GetServerInfo(npb.GetServerInfoRequest())
+    assert not info.rl_capabilities.weight_transfer_enabled
+    # The version alone needs no backend (as vllm-rs).
+    await ctl.UpdateWeightVersion(npb.UpdateWeightVersionRequest(weight_version="v1"))
+    assert (await ctl.GetWeightVersion(npb.GetWeightVersionRequest())).weight_version == "v1"
+
+
+async def test_weight_update_steps_and_their_refusals(start_mock: StartServer) -> None:
+    harness = await start_mock(weight_transfer_backend="file")
+    ctl = control(harness)
+    info = await ctl.GetServerInfo(npb.GetServerInfoRequest())
+    assert info.rl_capabilities.weight_transfer_enabled
+    assert info.rl_capabilities.weight_transfer_backend == "file"
+    assert not info.rl_capabilities.draft_weight_updates_enabled
+    invalid = grpc.StatusCode.INVALID_ARGUMENT
+    for data in (b"", b"{", b"\xff"):
+        code, message = await _error(
+            ctl.InitWeightTransferEngine(npb.InitWeightTransferEngineRequest(init_info_json=data))
+        )
+        assert code == invalid and message.startswith("init_info_json must contain valid JSON")
+    for data in (b"[{}]", b"null", b"3"):
+        assert await _error(ctl.UpdateWeights(npb.UpdateWeightsRequest(update_info_json=data))) == (
+            invalid,
+            "update_info_json must contain a JSON object",
+        )
+    assert await _error(
+        ctl.FinishWeightUpdate(npb.FinishWeightUpdateRequest(weight_version=""))
+    ) == (invalid, "weight_version must not be empty")
+    assert await _error(ctl.StartDraftWeightUpdate(npb.StartDraftWeightUpdateRequest())) == (
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "draft weight updates require a configured speculative draft model",
+    )
+    # Out of order: the engine's own refusal, INTERNAL, its words kept.
+    code, message = await _error(
+        ctl.UpdateWeights(npb.UpdateWeightsRequest(update_info_json=b"{}"))
+    )
+    assert code == grpc.StatusCode.INTERNAL
+    assert "start_weight_update must be called before update_weights." in message
+    code, message = await _error(ctl.FinishWeightUpdate(npb.FinishWeightUpdateRequest()))
+    assert code == grpc.StatusCode.INTERNAL and "without a matching start_weight_update" in message
+
+    await ctl.InitWeightTransferEngine(npb.InitWeightTransferEngineRequest(init_info_json=b"{}"))
+    await ctl.StartWeightUpdate(npb.StartWeightUpdateRequest())
+    code, message = await _error(ctl.StartWeightUpdate(npb.StartWeightUpdateRequest()))
+    assert code == grpc.StatusCode.INTERNAL and "already active" in message
+    for chunk in (b'{"path": "a"}', b'{"path": "b"}'):
+        await ctl.UpdateWeights(npb.UpdateWeightsRequest(update_info_json=chunk))
+    await ctl.FinishWeightUpdate(npb.FinishWeightUpdateRequest(weight_version="step-1"))
+    assert harness.engine.weight_updates == [{"path": "a"}, {"path": "b"}]
+    assert (await ctl.GetWeightVersion(npb.GetWeightVersionRequest())).weight_version == "step-1"
+    # Finished without a version: the version stays.
+    await ctl.StartWeightUpdate(npb.StartWeightUpdateRequest())
+    await ctl.FinishWeightUpdate(npb.FinishWeightUpdateRequest())
+    assert (await ctl.GetWeightVersion(npb.GetWeightVersionRequest())).weight_version == "step-1"
+
+
+async def test_rl_calls_run_one_at_a_time_in_arrival_order(start_mock: StartServer) -> None:
+    """As vllm-rs's one lock: a second update step waits for the first, in order; a bad
+    request is refused at once, without waiting."""
+    harness = await start_mock(weight_transfer_backend="file")
+    ctl = control(harness)
+    release, started = asyncio.Event(), asyncio.Event()
+    order: list[str] = []
+    engine = harness.engine
+    update = engine.update_weights
+
+    async def slow_update(update_info: dict) -> None:
+        order.append("update starts")
+        started.set()
+        await release.wait()
+        await update(update_info)
+        order.append("update ends")
+
+    async def finish(version: str | None) -> None:
+        order.append("finish")
+        engine._updating = False
+
+    engine.update_weights = slow_update  # type: ignore[method-assign]
+    engine.finish_weight_update = finish  # type: ignore[method-assign]
+    await ctl.StartWeightUpdate(npb.StartWeightUpdateRequest())
+    first = asyncio.ensure_future(
+        ctl.UpdateWeights(npb.UpdateWeightsRequest(update_info_json=b'{"path": "a"}'))
+    )
+    await asyncio.wait_for(started.wait(), 10)
+    second = asyncio.ensure_future(ctl.FinishWeightUpdate(npb.FinishWeightUpdateRequest()))
+    bad = await _error(ctl.UpdateWeights(npb.UpdateWeightsRequest(update_info_json=b"[")))
+    assert bad[0] == grpc.StatusCode.INVALID_ARGUMENT  # not held behind the lock
+    await asyncio.sleep(0.2)
+    assert order == ["update starts"] and not second.done()
+    release.set()
+    await asyncio.gather(first, second)
+    assert order == ["update starts", "update ends", "finish"]
+
+
+async def test_thinking_budget_and_reasoning_gate_are_taken(mock: Harness) -> None:
+    """As vllm-rs: a budget (-1: none) and a gate are taken; on an engine with no reasoning
+    configuration the budget has no effect (the mock has none)."""
+    plain = await _stream(mock, native([10], stopping=stopping(3)))
+    for budget in (-1, 0, 7):
+        req = native([10], stopping=stopping(3, thinking_token_budget=budget))
+        assert await _stream(mock, req) == plain
+    assert mock.engine.last_request.sampling.thinking_token_budget is None
+    gate = npb.ReasoningGate(reasoning_ended=False)
+    gate.chat_template_kwargs.update({"enable_thinking": True})
+    assert await _stream(mock, native([10], stopping=stopping(3), engine_reasoning_gate=gate))
+    last = mock.engine.last_request
+    assert last.reasoning_ended is False
+    assert last.reasoning_kwargs == {"chat_template_kwargs": {"enable_thinking": True}}
+
+
+MANY = npb.RandomSampling(num_sequences=2)
+
+
+@pytest.mark.parametrize(
+    ("fault", "code", "words"),
+    [
+        # What vllm-rs checks before the sequences: told as it is.
+        ({"model": "other"}, grpc.StatusCode.NOT_FOUND, "other"),
+        ({"prompt": None}, grpc.StatusCode.INVALID_ARGUMENT, "prompt is required"),
+        # What it checks after them: the sequences' refusal.
+        ({"lora_name": "adapter"}, grpc.StatusCode.INVALID_ARGUMENT, "num_sequences > 1"),
+        ({"temperature": 9.0}, grpc.StatusCode.INVALID_ARGUMENT, "num_sequences > 1"),
+        ({"ids": [10] * 5000}, grpc.StatusCode.INVALID_ARGUMENT, "num_sequences > 1"),
+        ({"media": [npb.MediaItem()]}, grpc.StatusCode.INVALID_ARGUMENT, "num_sequences > 1"),
+        ({"watermarking": True}, grpc.StatusCode.INVALID_ARGUMENT, "num_sequences > 1"),
+    ],
+)
+async def test_sequences_are_refused_in_vllm_rs_order(
+    mock: Harness, fault: dict, code: grpc.StatusCode, words: str
+) -> None:
+    """num_sequences > 1 is served (a kept difference) but, wrong twice, a request is told
+    what vllm-rs tells it (its sequences after the model and the prompt, before the rest)."""
+    fields = dict(fault)
+    ids = fields.pop("ids", [10])
+    if fields.pop("prompt", 1) is None:
+        req = npb.GenerateRequest(sampling=MANY, **fields)
+    else:
+        req = native(ids, sampling=MANY, stopping=stopping(2), **fields)
+    err = await _stream_error(mock, req)
+    assert err.code() == code and words in (err.details() or ""), err.details()
+    # Alone, each fault is told as itself; the sequences alone are served.
+    if words == "num_sequences > 1":
+        req.sampling.num_sequences = 1
+        alone = await _stream_error(mock, req)
+        assert "num_sequences" not in (alone.details() or "")
+    served = await _stream(mock, native([10], sampling=MANY, stopping=stopping(2)))
+    assert {m.outputs.index for m in served if m.HasField("outputs")} == {0, 1}
+
+
+async def test_generate_refuses_sequences_first_too(mock: Harness) -> None:
+    from test_native import inference
+
+    req = native([10], sampling=MANY, stopping=stopping(2), lora_name="adapter")
+    assert await _code(inference(mock).Generate(req)) == grpc.StatusCode.INVALID_ARGUMENT
