@@ -392,16 +392,22 @@ _NOT_REFUSALS = (EngineUnavailable, Overloaded)
 
 
 @contextlib.contextmanager
-def sequences_first(request: npb.GenerateRequest) -> Iterator[None]:
+def sequences_first(
+    request: npb.GenerateRequest,
+    metadata: Sequence[tuple[str, str | bytes]] | None,
+    facts: ModelFacts,
+) -> Iterator[None]:
     """num_sequences > 1, which vllm-rs refuses and this worker serves: a request refused for
     anything vllm-rs checks after it (its LoRA, media, prompt and sampling values, ...) is
     told vllm-rs's refusal of the sequences, so a router sees the reference's answer to
     every request the reference refuses. Wraps a request's handling (its refusals all come
-    before its first message; `check_first` runs before it)."""
+    before its first message). What vllm-rs checks before the sequences (`check_first`,
+    which conversion runs first) is asked again only on this refusal path."""
     try:
         yield
     except ServicerError as exc:
         if request.sampling.num_sequences > 1 and not isinstance(exc, _NOT_REFUSALS):
+            check_first(request, metadata, facts)
             raise InvalidRequest(MANY_SEQUENCES) from exc
         raise
 

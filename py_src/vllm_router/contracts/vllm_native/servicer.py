@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TypeAlias
 
 import grpc
@@ -29,15 +29,15 @@ from .responses import Wanted
 INFERENCE_SERVICE = npb.DESCRIPTOR.services_by_name["Inference"].full_name
 CONTROL_SERVICE = npb.DESCRIPTOR.services_by_name["Control"].full_name
 Context: TypeAlias = grpc.aio.ServicerContext
+Metadata: TypeAlias = Sequence[tuple[str, str | bytes]] | None
 
 
 class NativeInferenceServicer(ContractServicer, npb_grpc.InferenceServicer):
     service_label = INFERENCE_SERVICE
 
     async def _generation(
-        self, request: npb.GenerateRequest, context: Context, *, unary: bool = False
+        self, request: npb.GenerateRequest, metadata: Metadata, *, unary: bool = False
     ) -> GenerationRequest:
-        metadata = context.invocation_metadata()
         facts = self._engine.facts
         loaded: list[str] = []
         if request.lora_name and facts.supports_lora:
@@ -55,9 +55,9 @@ class NativeInferenceServicer(ContractServicer, npb_grpc.InferenceServicer):
     async def GenerateStream(
         self, request: npb.GenerateRequest, context: Context
     ) -> AsyncIterator[npb.GenerateResponse]:
-        convert.check_first(request, context.invocation_metadata(), self._engine.facts)
-        with convert.sequences_first(request):
-            generation = await self._generation(request, context)
+        metadata = context.invocation_metadata()
+        with convert.sequences_first(request, metadata, self._engine.facts):
+            generation = await self._generation(request, metadata)
             wanted = Wanted.of(request.response)
             render = self._stream_renderer(wanted, generation.prompt_token_ids)
             decode = responses.decoded_output(wanted)
@@ -87,9 +87,9 @@ class NativeInferenceServicer(ContractServicer, npb_grpc.InferenceServicer):
     async def Generate(
         self, request: npb.GenerateRequest, context: Context
     ) -> npb.GenerateResponse:
-        convert.check_first(request, context.invocation_metadata(), self._engine.facts)
-        with convert.sequences_first(request):
-            generation = await self._generation(request, context, unary=True)
+        metadata = context.invocation_metadata()
+        with convert.sequences_first(request, metadata, self._engine.facts):
+            generation = await self._generation(request, metadata, unary=True)
             result = RequestResult()
             async with self._requests.run(generation) as flight:
                 async for step in flight.steps():

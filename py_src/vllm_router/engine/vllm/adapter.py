@@ -21,6 +21,7 @@ from ...errors import (
     EngineOperationFailed,
     InvalidRequest,
     NotConfigured,
+    ServicerError,
     Unsupported,
 )
 from ..handoff import TokenSink, hands_over
@@ -60,7 +61,7 @@ from .generate import lean_steps, request_output_steps
 from .kv_events import kv_event_batches, kv_event_sources
 from .lora import LoraRegistry
 from .media_inputs import media_input, processed_input
-from .params import SharedParams, build_sampling_params, reraise, translate_error
+from .params import SharedParams, build_sampling_params, reraise
 from .stats import BulkLatencies, LoadBoard, capture_engine_registry
 
 if TYPE_CHECKING:
@@ -317,14 +318,13 @@ class VllmEngine:
     async def _engine_operation(self, name: str, *args: Any, **kwargs: Any) -> None:
         """One of AsyncLLM's engine operations; the engine's refusal (its workers' message,
         e.g. an update out of order) is told as vLLM's Rust front end tells it."""
-        if self._llm.errored:
-            raise EngineDead("vLLM engine is dead; retry on another worker")
         try:
-            await getattr(self._llm, name)(*args, **kwargs)
+            await self._call(getattr(self._llm, name), *args, **kwargs)
+        except InvalidRequest as exc:  # a worker's ValueError: still the engine's refusal
+            raise EngineOperationFailed(f"{name} failed: {exc.message}") from exc
+        except ServicerError:
+            raise
         except Exception as exc:
-            translated = translate_error(exc)
-            if translated is not exc and not isinstance(translated, InvalidRequest):
-                raise translated from exc
             raise EngineOperationFailed(f"{name} failed: {exc}") from exc
 
     def _require_sleep_mode(self) -> None:
