@@ -5,14 +5,21 @@ the real engine and against vllm-rs: test_real_weight_transfer.py."""
 from __future__ import annotations
 
 import asyncio
+import secrets
 
 import grpc
 import pytest
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import StatusCode
 from test_native import _code, _stream, _stream_error, control, native, stopping
 
+from vllm_router.core.operations import SPAN_PREFIX, EngineOperations
 from vllm_router.proto import vllm_native_pb2 as npb
+from vllm_router.server import ServerConfig
 
-from harness import Harness, StartServer
+from harness import Harness, StartServer, delta, scrape
 
 NOT_CONFIGURED = "weight transfer is not configured; start vLLM with --weight-transfer-config"
 
@@ -188,3 +195,76 @@ async def test_generate_refuses_sequences_first_too(mock: Harness) -> None:
 
     req = native([10], sampling=MANY, stopping=stopping(2), lora_name="adapter")
     assert await _code(inference(mock).Generate(req)) == grpc.StatusCode.INVALID_ARGUMENT
+
+
+async def test_rl_operations_are_measured_and_traced(start_mock: StartServer) -> None:
+    """Each step of a weight push is one span, a child of the trainer's span, with how it
+    ended; and one observation of engine_operation_seconds by operation and code."""
+    config = ServerConfig(port=0, shutdown_grace_seconds=2.0, metrics_port=0)
+    harness = await start_mock(config, weight_transfer_backend="file")
+    spans = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(spans))
+    core = harness.server.core
+    core.operations = EngineOperations(core.metrics, provider.get_tracer("test"))
+    ctl = control(harness)
+    trace_id, parent_id = secrets.token_hex(16), secrets.token_hex(8)
+    metadata = (("traceparent", f"00-{trace_id}-{parent_id}-01"),)
+    before = await scrape(harness.metrics_url)
+
+    await _error(ctl.FinishWeightUpdate(npb.FinishWeightUpdateRequest(), metadata=metadata))
+    await ctl.InitWeightTransferEngine(
+        npb.InitWeightTransferEngineRequest(init_info_json=b"{}"), metadata=metadata
+    )
+    await ctl.StartWeightUpdate(npb.StartWeightUpdateRequest(), metadata=metadata)
+    for chunk in (b'{"path": "a"}', b'{"path": "b"}'):
+        await ctl.UpdateWeights(npb.UpdateWeightsRequest(update_info_json=chunk), metadata=metadata)
+    await ctl.FinishWeightUpdate(
+        npb.FinishWeightUpdateRequest(weight_version="step-1"), metadata=metadata
+    )
+    await ctl.PauseGeneration(npb.PauseGenerationRequest())  # no caller's trace: a root span
+    await ctl.ResumeGeneration(npb.ResumeGenerationRequest())
+    # Refused before the queue: neither measured nor traced as an operation.
+    await _error(ctl.UpdateWeights(npb.UpdateWeightsRequest(update_info_json=b"[")))
+
+    finished = spans.get_finished_spans()
+    steps = [
+        (span.name.removeprefix(SPAN_PREFIX), str((span.attributes or {})["vllm_servicer.status"]))
+        for span in finished
+    ]
+    assert steps == [
+        ("finish_weight_update", "INTERNAL"),
+        ("init_weight_transfer", "OK"),
+        ("start_weight_update", "OK"),
+        ("update_weights", "OK"),
+        ("update_weights", "OK"),
+        ("finish_weight_update", "OK"),
+        ("pause", "OK"),
+        ("resume", "OK"),
+    ]
+    for span in finished[:6]:
+        assert span.context is not None and span.parent is not None
+        assert span.context.trace_id == int(trace_id, 16)
+        assert span.parent.span_id == int(parent_id, 16)
+    assert finished[0].status.status_code is StatusCode.ERROR
+    assert "without a matching start_weight_update" in (finished[0].status.description or "")
+    assert (finished[5].attributes or {})["vllm_servicer.weight_version"] == "step-1"
+    assert finished[6].parent is None
+    assert (finished[6].attributes or {})["vllm_servicer.mode"] == "abort"
+
+    after = await scrape(harness.metrics_url)
+    seconds = "vllm_servicer:engine_operation_seconds_count"
+    counted = {
+        (operation, code): delta(before, after, seconds, operation=operation, code=code)
+        for operation, code in {step for step in steps} | {("update_weights", "INVALID_ARGUMENT")}
+    }
+    assert counted == {
+        ("finish_weight_update", "INTERNAL"): 1,
+        ("init_weight_transfer", "OK"): 1,
+        ("start_weight_update", "OK"): 1,
+        ("update_weights", "OK"): 2,
+        ("finish_weight_update", "OK"): 1,
+        ("pause", "OK"): 1,
+        ("resume", "OK"): 1,
+        ("update_weights", "INVALID_ARGUMENT"): 0,
+    }

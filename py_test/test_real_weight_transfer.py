@@ -15,20 +15,24 @@ import asyncio
 import contextlib
 import json
 import re
+import secrets
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
 import pytest_asyncio
 from tokenizers import Tokenizer
 
+from vllm_router.core.operations import SPAN_PREFIX
 from vllm_router.proto import vllm_native_pb2 as npb
 from vllm_router.proto import vllm_native_pb2_grpc as npb_grpc
 from vllm_router.server import ServerConfig
 
 from harness import Harness, read_rest, require, start_harness, wait_until
 from native_servers import vllm_rs_path, vllm_rs_server
+from otlp_receiver import TraceReceiver, attributes
 from real_engine import RL_FLAGS, THINK, require_vllm, start_engine, tiny_model
 from rl_trainer import WEIGHTS, trained
 from routers import in_thread
@@ -59,6 +63,24 @@ async def rl_workers() -> AsyncIterator[tuple[Harness, str, Path]]:
 
 def _control(address: str) -> tuple[grpc.aio.Channel, npb_grpc.ControlStub]:
     channel = grpc.aio.insecure_channel(address)
+    return channel, npb_grpc.ControlStub(channel)
+
+
+class _WithMetadata(grpc.aio.UnaryUnaryClientInterceptor):  # type: ignore[misc]
+    """Sends `metadata` on every call of the channel (a trainer's trace context)."""
+
+    def __init__(self, metadata: tuple[tuple[str, str], ...]) -> None:
+        self._metadata = metadata
+
+    async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        details = details._replace(metadata=(*(details.metadata or ()), *self._metadata))
+        return await continuation(details, request)
+
+
+def _traced_control(
+    address: str, metadata: tuple[tuple[str, str], ...]
+) -> tuple[grpc.aio.Channel, npb_grpc.ControlStub]:
+    channel = grpc.aio.insecure_channel(address, interceptors=[_WithMetadata(metadata)])
     return channel, npb_grpc.ControlStub(channel)
 
 
@@ -194,14 +216,18 @@ async def test_a_trainers_weight_updates_are_answered_as_vllm_rs_answers_them(
 
 
 async def test_a_request_kept_by_a_pause_runs_on_after_an_update(
-    rl_workers: tuple[Harness, str, Path], real: Harness
+    rl_workers: tuple[Harness, str, Path], real: Harness, otlp: TraceReceiver
 ) -> None:
     """PauseGeneration(KEEP) across an update, as vLLM's own server does it: the request in
     flight is frozen, one sent meanwhile waits, both finish whole on resume; the one sent
     during the pause runs wholly on the new weights. (vllm-rs asks vLLM 0.33's engine for
-    `pause_generation`, which this vLLM 0.32 engine has not: not compared here.)"""
+    `pause_generation`, which this vLLM 0.32 engine has not: not compared here.) Each step
+    of the trainer's is a span in the trainer's trace, exported over OTLP (the session's
+    `real` worker set the process's exporter up)."""
     harness, _, base = rl_workers
-    channel, ctl = _control(harness.address)
+    trace_id, parent_id = secrets.token_hex(16), secrets.token_hex(8)
+    traced = (("traceparent", f"00-{trace_id}-{parent_id}-01"),)
+    channel, ctl = _traced_control(harness.address, traced)
     inference = npb_grpc.InferenceStub(channel)
     long = npb.GenerateRequest(
         token_ids=npb.TokenIds(ids=[11, 12, 13]),
@@ -232,6 +258,22 @@ async def test_a_request_kept_by_a_pause_runs_on_after_an_update(
         await ctl.UpdateWeights(_update(model / WEIGHTS))
         await ctl.FinishWeightUpdate(npb.FinishWeightUpdateRequest(weight_version="rl"))
     await wait_until(lambda: harness.server.requests.in_flight == frozenset())
+
+    def operations() -> list[Any]:  # the trainer's generate calls have vLLM's spans too
+        found = [span for _, span in otlp.spans_of_trace(trace_id)]
+        return [span for span in found if span.name.startswith(SPAN_PREFIX)]
+
+    await wait_until(lambda: len(operations()) == 8, timeout=15, what="8 operation spans")
+    spans = operations()
+    spans.sort(key=lambda span: span.start_time_unix_nano)
+    assert [span.name.removeprefix(SPAN_PREFIX) for span in spans] == [
+        "pause", *["start_weight_update", "update_weights", "finish_weight_update"], "resume",
+        *["start_weight_update", "update_weights", "finish_weight_update"],
+    ]  # fmt: skip
+    assert all(span.parent_span_id == bytes.fromhex(parent_id) for span in spans)
+    assert attributes(spans[0])["vllm_servicer.mode"] == "keep"
+    assert attributes(spans[3])["vllm_servicer.weight_version"] == "paused"
+    assert {attributes(span)["vllm_servicer.status"] for span in spans} == {"OK"}
 
 
 async def test_thinking_budgets_end_thinking_as_vllm_rs_ends_it(

@@ -38,6 +38,9 @@ UNAUTHENTICATED = "unauthenticated"
 # Seconds; generation spans milliseconds (a short unary) to minutes (long outputs).
 DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 FIRST_MESSAGE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+# Seconds an engine operation holds the engine: a pause is milliseconds, a weight update
+# of a large model tens of seconds to minutes.
+OPERATION_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 BETWEEN_MESSAGES_BUCKETS = (
     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5,
 )  # fmt: skip
@@ -104,6 +107,15 @@ class ServicerMetrics:
             name("engine_silent_seconds"),
             "Seconds the engine has had requests without making a step (0 while idle); "
             "the progress watchdog fails the worker past --engine-stall-timeout-seconds",
+            registry=r,
+        )
+        self.engine_operation = Histogram(
+            name("engine_operation_seconds"),
+            "Operations on the engine's state (pause, resume, sleep, wake_up, each "
+            "weight-transfer step, the weight version): time holding the engine, by "
+            "operation and gRPC status code name",
+            ["operation", "code"],
+            buckets=OPERATION_BUCKETS,
             registry=r,
         )
         for cause in (*REJECTION_CAUSES.values(), UNAUTHENTICATED):

@@ -27,6 +27,7 @@ from ..errors import EngineDead, InvalidRequest, status_code, status_for
 from .flight import DirectSend
 from .health import ServingState
 from .metrics import ServicerMetrics
+from .operations import EngineOperations
 from .requests import RequestTable
 from .tokenizer import TokenizerFiles
 
@@ -47,10 +48,13 @@ class ServingCore:
     # has none, or direct sends are off); see core/flight.py.
     direct_send: Callable[[grpc.aio.ServicerContext], DirectSend | None] = lambda _: None
     tokenizer: TokenizerFiles = field(init=False)
+    # Pause, sleep, weight updates...: one at a time, measured and traced.
+    operations: EngineOperations = field(init=False)
     started: float = field(init=False, default_factory=time.monotonic)  # for uptimes
 
     def __post_init__(self) -> None:
         self.tokenizer = TokenizerFiles(self.engine)
+        self.operations = EngineOperations(self.metrics)
 
 
 class Malformed:

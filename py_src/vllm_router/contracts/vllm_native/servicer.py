@@ -8,10 +8,10 @@ mapped by `core.handles_errors` as for every contract.
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import AbstractAsyncContextManager
 from typing import TypeAlias
 
 import grpc
@@ -111,11 +111,14 @@ class NativeControlServicer(ContractServicer, npb_grpc.ControlServicer):
         if not self._engine.facts.supports_lora:
             raise NotConfigured(convert.NO_LORA)
 
-    @functools.cached_property
-    def _rl_lock(self) -> asyncio.Lock:
-        # One RL operation at a time (pause, resume, sleep, wake, a weight-update step, a
-        # version), in arrival order, as vllm-rs serializes them; checks run before it.
-        return asyncio.Lock()
+    def _operation(
+        self, name: str, context: Context, **attributes: str | int | bool
+    ) -> AbstractAsyncContextManager[None]:
+        """Hold the engine for one RL operation (core.operations: one at a time, in
+        arrival order, as vllm-rs serializes them; measured and traced). Checks run
+        before it."""
+        trace = trace_headers(context.invocation_metadata())
+        return self.core.operations.run(name, trace, attributes)
 
     def _require_weight_transfer(self) -> None:
         if not self._engine.facts.weight_transfer_backend:
@@ -202,7 +205,7 @@ class NativeControlServicer(ContractServicer, npb_grpc.ControlServicer):
     ) -> npb.PauseGenerationResponse:
         mode, clear_cache = convert.pause(request)
         await self._state.require_engine()
-        async with self._rl_lock:
+        async with self._operation("pause", context, mode=mode, clear_cache=clear_cache):
             await self._engine.pause(mode, clear_cache)
         return npb.PauseGenerationResponse()
 
@@ -211,7 +214,7 @@ class NativeControlServicer(ContractServicer, npb_grpc.ControlServicer):
         self, request: npb.ResumeGenerationRequest, context: Context
     ) -> npb.ResumeGenerationResponse:
         await self._state.require_engine()
-        async with self._rl_lock:
+        async with self._operation("resume", context):
             await self._engine.resume()
         return npb.ResumeGenerationResponse()
 
@@ -226,14 +229,14 @@ class NativeControlServicer(ContractServicer, npb_grpc.ControlServicer):
     async def Sleep(self, request: npb.SleepRequest, context: Context) -> npb.SleepResponse:
         level, mode = convert.sleep(request)
         await self._state.require_engine()
-        async with self._rl_lock:
+        async with self._operation("sleep", context, level=level, mode=mode):
             await self._engine.sleep(level, mode)
         return npb.SleepResponse()
 
     @handles_errors
     async def WakeUp(self, request: npb.WakeUpRequest, context: Context) -> npb.WakeUpResponse:
         await self._state.require_engine()
-        async with self._rl_lock:
+        async with self._operation("wake_up", context):
             await self._engine.wake_up(list(request.tags) or None)
         return npb.WakeUpResponse()
 
@@ -251,7 +254,7 @@ class NativeControlServicer(ContractServicer, npb_grpc.ControlServicer):
         self._require_weight_transfer()
         init_info = convert.json_object(request.init_info_json, "init_info_json")
         await self._state.require_engine()
-        async with self._rl_lock:
+        async with self._operation("init_weight_transfer", context):
             await self._engine.init_weight_transfer(init_info)
         return npb.InitWeightTransferEngineResponse()
 
@@ -261,7 +264,7 @@ class NativeControlServicer(ContractServicer, npb_grpc.ControlServicer):
     ) -> npb.StartWeightUpdateResponse:
         self._require_weight_transfer()
         await self._state.require_engine()
-        async with self._rl_lock:
+        async with self._operation("start_weight_update", context, draft=False):
             await self._engine.start_weight_update(draft=False)
         return npb.StartWeightUpdateResponse()
 
@@ -273,7 +276,7 @@ class NativeControlServicer(ContractServicer, npb_grpc.ControlServicer):
         if not self._engine.facts.draft_weight_updates:
             raise NotConfigured(NO_DRAFT_MODEL)
         await self._state.require_engine()
-        async with self._rl_lock:
+        async with self._operation("start_weight_update", context, draft=True):
             await self._engine.start_weight_update(draft=True)
         return npb.StartDraftWeightUpdateResponse()
 
@@ -284,7 +287,7 @@ class NativeControlServicer(ContractServicer, npb_grpc.ControlServicer):
         self._require_weight_transfer()
         update_info = convert.json_object(request.update_info_json, "update_info_json")
         await self._state.require_engine()
-        async with self._rl_lock:
+        async with self._operation("update_weights", context):
             await self._engine.update_weights(update_info)
         return npb.UpdateWeightsResponse()
 
@@ -297,7 +300,7 @@ class NativeControlServicer(ContractServicer, npb_grpc.ControlServicer):
         if request.HasField("weight_version"):
             version = convert.weight_version(request.weight_version)
         await self._state.require_engine()
-        async with self._rl_lock:
+        async with self._operation("finish_weight_update", context, weight_version=version or ""):
             await self._engine.finish_weight_update(version)
         return npb.FinishWeightUpdateResponse()
 
@@ -307,7 +310,7 @@ class NativeControlServicer(ContractServicer, npb_grpc.ControlServicer):
     ) -> npb.UpdateWeightVersionResponse:
         version = convert.weight_version(request.weight_version)
         await self._state.require_engine()
-        async with self._rl_lock:
+        async with self._operation("update_weight_version", context, weight_version=version):
             await self._engine.set_weight_version(version)
         return npb.UpdateWeightVersionResponse()
 
