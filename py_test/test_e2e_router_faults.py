@@ -47,7 +47,8 @@ STEP_DELAY = 0.02  # seconds per token on the mock: a MAX_TOKENS stream lasts ~0
 MAX_TOKENS = 30
 CLIENTS = 4  # client threads, each streaming one chat after another
 CLIENT_TIMEOUT = 15.0  # seconds without a byte: the request is lost
-STALL_TIMEOUT = 2.0  # the workers' --engine-stall-timeout-seconds
+STALL_TIMEOUT = 2.0  # the workers' --engine-stall-timeout-seconds: out of rotation
+STALL_EXIT = 4.0  # and --engine-stall-exit-seconds: streams failed, exit 1
 # Quick health checks (both routers' defaults: every 60 s, 3 failures to mark unhealthy, 2
 # successes to mark healthy again); retries and circuit breakers stay at their defaults.
 HEALTH = ("--health-check-interval-secs", "1", "--health-failure-threshold", "1",
@@ -69,6 +70,7 @@ OUT_OF_ROTATION_WITHIN = 2.0  # seconds from NOT_SERVING (drain) to the last req
 
 ADMITTED = re.compile(r"request \S+: (\d+) prompt tokens")  # --enable-log-requests
 DRAINING = re.compile(r"draining \(grace [\d.]+s, (\d+) requests in flight\)")
+STALLED = re.compile(r"Engine stalled: no step for ([\d.]+)s")
 STUCK = re.compile(r"Engine stuck: no step for ([\d.]+)s")
 REJECTED = re.compile(r'^vllm_servicer:rejected_total\{cause="not_serving"\} (\S+)$', re.M)
 
@@ -86,7 +88,8 @@ def _worker_flags(port: int, metrics_port: int, *extra: str) -> list[str]:
             "--mock-max-model-len", "256", "--mock-eos-token-id", "1",
             "--mock-step-delay", str(STEP_DELAY), "--enable-log-requests",
             "--shutdown-grace-seconds", "30",
-            "--engine-stall-timeout-seconds", str(STALL_TIMEOUT), *extra]  # fmt: skip
+            "--engine-stall-timeout-seconds", str(STALL_TIMEOUT),
+            "--engine-stall-exit-seconds", str(STALL_EXIT), *extra]  # fmt: skip
 
 
 class Worker:
@@ -458,8 +461,8 @@ def test_a_drained_worker(fleet: Fleet, figures: Callable[[str], None]) -> None:
 
 def test_a_hung_worker(fleet: Fleet, figures: Callable[[str], None]) -> None:
     """One worker's engine stops making steps under load (alive, stuck): the progress watchdog
-    fails its requests UNAVAILABLE, reports NOT_SERVING and exits 1; the router stops sending
-    it requests; nothing hangs."""
+    reports NOT_SERVING at its first limit (the router stops sending it requests), then fails
+    its requests UNAVAILABLE at the second and exits 1; nothing hangs."""
     fleet.serve_both()
     victim = fleet.workers[1]
     victim.kill()
@@ -471,24 +474,26 @@ def test_a_hung_worker(fleet: Fleet, figures: Callable[[str], None]) -> None:
         time.sleep(2.0)
     outcomes = load.outcomes
     failed = failures(outcomes)
-    stuck = victim.first(STUCK)
-    assert stuck is not None, victim.text()
-    stuck_at, match = stuck
-    stalled_at = stuck_at - float(match.group(1))
+    stalled, stuck = victim.first(STALLED), victim.first(STUCK)
+    assert stalled is not None and stuck is not None, victim.text()
+    left_at, match = stalled
+    stalled_at = left_at - float(match.group(1))
+    stuck_at = stuck[0]
     held = victim.admitted(stalled_at)  # routed to it while stuck: they waited
-    # Routed around once it reported NOT_SERVING (nothing was admitted after): the stall
-    # timeout, plus the router's reaction.
+    # Routed around once it reported NOT_SERVING (nothing was admitted after): the first
+    # limit, plus the router's reaction.
     figures(
-        row(fleet.router, "hung", outcomes, f"{stuck_at - stalled_at:.2f} s",
-            f"NOT_SERVING {stuck_at - stalled_at:.2f} s after its last step, exit 1 "
-            f"{exited_at - stuck_at:.2f} s later; {len(failed)} streams in flight on it failed "
+        row(fleet.router, "hung", outcomes, f"{left_at - stalled_at:.2f} s",
+            f"NOT_SERVING {left_at - stalled_at:.2f} s after its last step, streams failed "
+            f"{stuck_at - stalled_at:.2f} s after it, exit 1 {exited_at - stuck_at:.2f} s "
+            f"later; {len(failed)} streams in flight on it failed "
             f"({failed[0].detail if failed else '-'}); {len(held)} routed to it while stuck "
-            "waited for NOT_SERVING, then were retried on the other worker; "
+            "waited for the second limit, then were retried on the other worker; "
             f"{latency(outcomes, stalled_at)}")
     )  # fmt: skip
     assert code == 1, victim.text()
     not_lost(outcomes)
-    assert not victim.admitted(stuck_at), victim.text()  # nothing new once NOT_SERVING
+    assert not victim.admitted(left_at), victim.text()  # nothing new once NOT_SERVING
     for outcome in failed:  # only streams it had begun answering; they end once it is stuck
         assert outcome.started < stalled_at + 0.25, outcome
         assert outcome.ended < stuck_at + ERROR_WITHIN, outcome

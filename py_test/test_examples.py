@@ -82,6 +82,25 @@ def test_grace_periods_leave_room_for_the_drain(manifests: dict[str, Any]) -> No
     assert liveness["periodSeconds"] * liveness["failureThreshold"] > config.shutdown_grace_seconds
 
 
+def test_probes_follow_the_stall_stages(manifests: dict[str, Any]) -> None:
+    """Readiness leaves at the first stall limit (NOT_SERVING on its service name, within a
+    probe); liveness, which hears the same NOT_SERVING, must not restart a worker that is only
+    out of rotation before the second limit, where the worker fails itself (and exits)."""
+    container = _container(manifests)
+    config = _config(container)
+    first, second = config.engine_stall_timeout_seconds, config.engine_stall_exit_seconds
+    assert 0 < first < second
+    readiness, liveness = container["readinessProbe"], container["livenessProbe"]
+    assert readiness["failureThreshold"] * readiness["periodSeconds"] <= 10
+    # The earliest restart: the first failing probe right at the first limit, then
+    # failureThreshold - 1 more periods.
+    earliest_restart = first + (liveness["failureThreshold"] - 1) * liveness["periodSeconds"]
+    assert earliest_restart > second, (earliest_restart, second)
+    # ...and not so late that a wedged process (one that answers no probe at all) waits
+    # much longer than a stuck engine would.
+    assert earliest_restart < second + 2 * liveness["periodSeconds"]
+
+
 def test_dashboard_queries_name_exported_series() -> None:
     dashboard = json.loads((EXAMPLES / "grafana" / "vllm-servicer.json").read_text())
     families = list(ServicerMetrics().registry.collect())

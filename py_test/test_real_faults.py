@@ -13,6 +13,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from vllm_router.proto import vllm_engine_pb2 as pb
 from vllm_router.proto import vllm_engine_pb2_grpc as pb_grpc
+from vllm_router.proto import vllm_native_pb2 as npb
+from vllm_router.proto import vllm_native_pb2_grpc as npb_grpc
 
 import servers
 from harness import read_rest, request
@@ -103,7 +105,10 @@ async def test_killing_the_engine_core_mid_stream(figures) -> None:
         server.kill()
 
 
-STALL_TIMEOUT = 4.0  # --engine-stall-timeout-seconds here: a tiny model steps in milliseconds
+# The watchdog's limits here (a tiny model steps in milliseconds): out of rotation at the
+# first, failed at the second.
+STALL_TIMEOUT = 4.0
+STALL_EXIT = 10.0
 ATTEMPTS = 5  # rounds to catch a stream mid-answer at the stop
 
 
@@ -117,21 +122,36 @@ async def _outcome(call: grpc.aio.UnaryStreamCall, timeout: float) -> tuple[obje
     return grpc.StatusCode.OK, f"{rest[-1].finish_reason} {sum(len(m.token_ids) for m in rest)}"
 
 
-async def test_a_stopped_engine_core_is_found_stuck(figures) -> None:
-    """The engine core stopped (SIGSTOP: what a wedged GPU step or collective looks like from
-    outside): a short stop is only slow; a long one fails every request UNAVAILABLE, flips
-    health to NOT_SERVING and makes the worker exit 1, while the core is still stopped."""
+async def _until_health(health: health_pb2_grpc.HealthStub, wanted: object, within: float) -> float:
+    """Seconds until health says `wanted` (polled every 0.1 s); fails after `within`."""
+    started = time.monotonic()
+    while (heard := await _health_now(health)) != wanted:
+        assert time.monotonic() - started < within, f"health still {_named(heard)}"
+        await asyncio.sleep(0.1)
+    return time.monotonic() - started
+
+
+async def test_a_stopped_engine_core_leaves_rotation_then_is_found_stuck(figures) -> None:
+    """The engine core stopped (SIGSTOP: what a wedged GPU step or collective, or a very long
+    one, looks like from outside). A short stop is only slow. A stop between the two limits
+    takes the worker out of rotation (NOT_SERVING, new requests refused) and back when the
+    core goes on, with every token of the stream in flight delivered and the process alive.
+    A PauseGeneration(KEEP) held past both limits is never judged. A stop past the second
+    fails every request UNAVAILABLE and makes the worker exit 1, the core still stopped."""
     require_vllm()
     server = await servers.start(
         "--model", str(tiny_model()), "--port", "0", "--health-poll-seconds", "30",
-        "--engine-stall-timeout-seconds", str(STALL_TIMEOUT), *cli_flags(), timeout=240,
+        "--engine-stall-timeout-seconds", str(STALL_TIMEOUT),
+        "--engine-stall-exit-seconds", str(STALL_EXIT), *cli_flags(), timeout=240,
     )  # fmt: skip
     core = _engine_core(server.process.pid)
+    serving = health_pb2.HealthCheckResponse.SERVING
     try:
         async with grpc.aio.insecure_channel(server.address) as channel:
             stub = pb_grpc.VllmEngineStub(channel)
             health = health_pb2_grpc.HealthStub(channel)
-            # A pause shorter than the timeout: the stream finishes, nothing is failed.
+            control = npb_grpc.ControlStub(channel)
+            # A pause shorter than the first limit: the stream finishes, nothing is failed.
             stream = stub.GenerateStream(request([5, 6, 7], max_tokens=200, ignore_eos=True))
             await stream.read()
             core.suspend()
@@ -139,13 +159,52 @@ async def test_a_stopped_engine_core_is_found_stuck(figures) -> None:
             core.resume()
             rest = await asyncio.wait_for(read_rest(stream), 60)
             assert rest[-1].finish_reason == "length"
-            assert (await _health_now(health)) == health_pb2.HealthCheckResponse.SERVING
-            # Stopped for good: every request in flight ends UNAVAILABLE, saying why. Four
-            # streams have begun before the core stops; a starved client may reach the stop
-            # only after the tiny model has produced them whole (it needs a fraction of a
-            # second), so what must fail is exactly what the server holds once the core's last
-            # outputs have settled, and the round is run again (after a short stop, which fails
-            # nothing) until that includes a stream caught mid-answer.
+            assert (await _health_now(health)) == serving
+
+            # Between the limits: out of rotation, then back, every stream whole: one begun
+            # before the stop (the tiny model may finish it first) and one sent to the
+            # stopped core (certain to be in flight across the stall).
+            begun = stub.GenerateStream(request([5, 6, 8], max_tokens=250, ignore_eos=True))
+            await begun.read()
+            core.suspend()
+            stopped = time.monotonic()
+            sent = stub.GenerateStream(request([5, 6, 10], max_tokens=250, ignore_eos=True))
+            left = await _until_health(
+                health, health_pb2.HealthCheckResponse.NOT_SERVING, STALL_TIMEOUT + 3
+            )
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await stub.Generate(request([5], max_tokens=2), timeout=5)
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "out of rotation" in (refused.value.details() or "")
+            await asyncio.sleep(
+                max(0.0, (STALL_TIMEOUT + STALL_EXIT) / 2 - (time.monotonic() - stopped))
+            )
+            core.resume()
+            back = await _until_health(health, serving, 10)
+            assert await _outcome(begun, 60) == (grpc.StatusCode.OK, "length 249")
+            assert (await sent.read()).token_ids  # its first message, after the stall
+            assert await _outcome(sent, 60) == (grpc.StatusCode.OK, "length 249")
+            assert server.process.returncode is None
+
+            # Held on purpose past both limits, a request frozen in it: never judged.
+            native = npb_grpc.InferenceStub(channel)
+            frozen = native.GenerateStream(_native_request([5, 6, 9], 400))
+            await frozen.read()
+            await control.PauseGeneration(npb.PauseGenerationRequest(mode=npb.PAUSE_MODE_KEEP))
+            await asyncio.sleep(STALL_EXIT + 2)
+            assert (await _health_now(health)) == serving
+            await control.ResumeGeneration(npb.ResumeGenerationRequest())
+            rest = await asyncio.wait_for(read_rest(frozen), 60)
+            assert rest[-1].outputs.finish_info.finish_reason == npb.LENGTH
+            assert server.process.returncode is None
+
+            # Stopped for good: out of rotation at the first limit, then every request in
+            # flight ends UNAVAILABLE, saying why. Four streams have begun before the core
+            # stops; a starved client may reach the stop only after the tiny model has
+            # produced them whole (it needs a fraction of a second), so what must fail is
+            # exactly what the server holds once the core's last outputs have settled, and the
+            # round is run again (after a short stop, which fails nothing) until that includes
+            # a stream caught mid-answer.
             rounds = 0
             while True:
                 rounds += 1
@@ -157,10 +216,10 @@ async def test_a_stopped_engine_core_is_found_stuck(figures) -> None:
                     await call.read()
                 core.suspend()
                 stopped = time.monotonic()
-                # Requests that arrive at the stopped engine hang with the rest, and fail with
-                # them.
+                # Requests that arrive at the stopped engine before it is judged hang with the
+                # rest, and fail with them.
                 streams += [stub.GenerateStream(request([9, 9], max_tokens=8)) for _ in range(2)]
-                await asyncio.sleep(1.0)  # well inside the timeout
+                await asyncio.sleep(1.0)  # well inside the first limit
                 held = (await stub.GetLoads(pb.GetLoadsRequest(), timeout=5)).requests_in_flight
                 if held > 2:
                     break
@@ -168,7 +227,12 @@ async def test_a_stopped_engine_core_is_found_stuck(figures) -> None:
                 core.resume()
                 for call in streams:
                     assert (await _outcome(call, 60))[0] == grpc.StatusCode.OK
-            outcomes = [await _outcome(call, STALL_TIMEOUT + 20) for call in streams]
+            await _until_health(
+                health, health_pb2.HealthCheckResponse.NOT_SERVING, STALL_TIMEOUT + 3
+            )  # out of rotation first, the streams still open
+            left_again = time.monotonic() - stopped
+            assert held == (await stub.GetLoads(pb.GetLoadsRequest())).requests_in_flight
+            outcomes = [await _outcome(call, STALL_EXIT + 20) for call in streams]
             details = [detail for code, detail in outcomes if code == grpc.StatusCode.UNAVAILABLE]
             finished = [detail for code, detail in outcomes if code == grpc.StatusCode.OK]
             assert len(details) + len(finished) == len(streams), outcomes
@@ -180,15 +244,28 @@ async def test_a_stopped_engine_core_is_found_stuck(figures) -> None:
             assert heard in NOT_SERVING, heard
             exit_code = await server.wait(60)
         figures(
-            f"engine core stopped {STALL_TIMEOUT / 2:.0f}s: stream finished, SERVING; stopped "
-            f"for good (round {rounds}): {len(details) - 2} of 4 streams in flight and 2 new "
-            f"ones UNAVAILABLE "
-            f"after {ended_after:.1f}s (timeout {STALL_TIMEOUT:.0f}s), health {_named(heard)}, "
-            f"exit code {exit_code}"
+            f"limits {STALL_TIMEOUT:.0f}s/{STALL_EXIT:.0f}s: core stopped "
+            f"{STALL_TIMEOUT / 2:.0f}s: stream finished, SERVING; stopped "
+            f"{(STALL_TIMEOUT + STALL_EXIT) / 2:.0f}s: NOT_SERVING after {left:.1f}s, SERVING "
+            f"{back:.1f}s after the core went on, both streams whole; paused (keep) "
+            f"{STALL_EXIT + 2:.0f}s: SERVING throughout; stopped for good (round {rounds}): "
+            f"NOT_SERVING after {left_again:.1f}s, then {len(details) - 2} of 4 streams in "
+            "flight and 2 new ones "
+            f"UNAVAILABLE after {ended_after:.1f}s, health {_named(heard)}, exit code {exit_code}"
         )
+        assert left_again < STALL_EXIT - 1, left_again
         assert exit_code == 1
-        assert ended_after < STALL_TIMEOUT + 3, ended_after
+        assert STALL_EXIT - 1 < ended_after < STALL_EXIT + 3, ended_after
     finally:
         server.kill()
         with contextlib.suppress(psutil.Error):
             core.kill()
+
+
+def _native_request(ids: list[int], max_new: int) -> npb.GenerateRequest:
+    return npb.GenerateRequest(
+        token_ids=npb.TokenIds(ids=ids),
+        temperature=0.0,
+        stopping=npb.StoppingCriteria(max_new_tokens=max_new, ignore_eos=True),
+        response=npb.ResponseOptions(output_token_ids=True, output_text=False),
+    )

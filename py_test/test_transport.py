@@ -24,7 +24,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from vllm_router.proto import vllm_engine_pb2_grpc as pb_grpc
 from vllm_router.server import ServerConfig, StartupError, preflight, transport
-from vllm_router.server.config import TRANSPORTS
+from vllm_router.server.config import (
+    DEFAULT_MIN_CLIENT_PING_INTERVAL_MS,
+    TRANSPORTS,
+    server_options,
+)
 from vllm_router.server.registry import CONTRACTS
 from vllm_router.server.transport import check_transport, native_options
 from vllm_router.testing.mock_engine import MockAsyncEngine, MockConfig
@@ -93,6 +97,20 @@ def test_native_refuses_a_unix_socket_beside_tcp(tmp_path: Path) -> None:
     message = _refusal(ServerConfig(port=0, transport="native", uds=uds))
     assert "one listener" in message and "--port -1" in message
     preflight(ServerConfig(port=0, uds=uds))  # grpcio serves both
+
+
+def test_native_refuses_a_client_ping_interval() -> None:
+    """Native polices no client pings: the interval is refused, like every setting it cannot
+    honour, not dropped without a word; grpcio takes it (and has its default without it)."""
+    for interval in (500, 10_000):
+        config = ServerConfig(port=0, transport="native", min_client_ping_interval_ms=interval)
+        message = _refusal(config)
+        assert "--min-client-ping-interval-ms" in message and "--transport grpcio" in message
+        preflight(ServerConfig(port=0, min_client_ping_interval_ms=interval))
+    key = "grpc.http2.min_ping_interval_without_data_ms"
+    assert (key, DEFAULT_MIN_CLIENT_PING_INTERVAL_MS) in server_options(ServerConfig())
+    assert (key, 10_000) in server_options(ServerConfig(min_client_ping_interval_ms=10_000))
+    assert key not in dict(transport.native_options(ServerConfig(transport="native")))
 
 
 def test_native_alone_on_a_unix_socket_passes(tmp_path: Path) -> None:

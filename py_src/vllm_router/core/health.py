@@ -27,24 +27,42 @@ SERVING = ServingStatus(serving=True)
 
 
 class ServingState:
-    """Whether this worker serves: the engine is alive and the server is not draining.
+    """Whether this worker serves: the engine is alive and in rotation, and the server is
+    not draining.
 
     The contracts' HealthCheck RPCs, grpc.health.v1 (through the server's watcher) and
     request admission all ask `status()`; nothing else decides. Engine death is final:
     the first path that sees it (a stream, an RPC, a health check, the poll) calls
     `engine_died`, which runs the listeners (the server publishes NOT_SERVING on
-    grpc.health.v1) before that path answers its own client.
+    grpc.health.v1) before that path answers its own client. A stalled engine is out of
+    rotation until it steps again (core.progress): the listeners hear both changes.
     """
 
     def __init__(self, engine: AsyncEngine) -> None:
         self._engine = engine
         self._draining = False
         self._dead: str | None = None
-        self._death_listeners: list[Callable[[], Awaitable[None]]] = []
+        self._out_of_rotation: str | None = None
+        self._listeners: list[Callable[[], Awaitable[None]]] = []
         self._death_announced = asyncio.Event()
 
-    def on_engine_death(self, listener: Callable[[], Awaitable[None]]) -> None:
-        self._death_listeners.append(listener)
+    def on_change(self, listener: Callable[[], Awaitable[None]]) -> None:
+        """`listener` runs when the engine dies, leaves rotation or rejoins it."""
+        self._listeners.append(listener)
+
+    async def leave_rotation(self, reason: str) -> None:
+        """The engine is stalled (`reason`: what health and refused requests say); the
+        requests in flight are left alone."""
+        self._out_of_rotation = reason
+        await self._announce()
+
+    async def rejoin_rotation(self) -> None:
+        self._out_of_rotation = None
+        await self._announce()
+
+    async def _announce(self) -> None:
+        for listener in self._listeners:
+            await listener()
 
     async def engine_died(self, detail: str, reason: str = ENGINE_DEAD) -> None:
         """Record the engine's death (`reason`: what health and refused requests say);
@@ -54,8 +72,7 @@ class ServingState:
             self._dead = reason
             logger.error("Engine died (%s): this worker is NOT_SERVING from now on", detail)
             try:
-                for listener in self._death_listeners:
-                    await listener()
+                await self._announce()
             finally:
                 self._death_announced.set()
         await self._death_announced.wait()
@@ -75,6 +92,8 @@ class ServingState:
         problem = await self._engine_problem()
         if problem is not None:
             return ServingStatus(False, problem)
+        if self._out_of_rotation is not None:
+            return ServingStatus(False, self._out_of_rotation)
         if self._draining:
             return ServingStatus(False, DRAINING)
         return SERVING

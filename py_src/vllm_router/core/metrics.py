@@ -106,7 +106,20 @@ class ServicerMetrics:
         self.engine_silent = Gauge(
             name("engine_silent_seconds"),
             "Seconds the engine has had requests without making a step (0 while idle); "
-            "the progress watchdog fails the worker past --engine-stall-timeout-seconds",
+            "past --engine-stall-timeout-seconds the worker leaves rotation, past "
+            "--engine-stall-exit-seconds it is failed",
+            registry=r,
+        )
+        self.engine_stall_stage = Gauge(
+            name("engine_stall_stage"),
+            "The progress watchdog's stage: 0 progressing, 1 stalled and out of rotation "
+            "(NOT_SERVING, streams in flight kept), 2 failed (streams failed, exiting)",
+            registry=r,
+        )
+        self.engine_stalls = Counter(
+            name("engine_stalls"),
+            "Stall stages entered: out_of_rotation, then recovered or failed",
+            ["stage"],
             registry=r,
         )
         self.engine_operation = Histogram(
@@ -118,6 +131,8 @@ class ServicerMetrics:
             buckets=OPERATION_BUCKETS,
             registry=r,
         )
+        for stage in ("out_of_rotation", "recovered", "failed"):
+            self.engine_stalls.labels(stage)
         for cause in (*REJECTION_CAUSES.values(), UNAUTHENTICATED):
             self.rejected.labels(cause)  # every cause exported from the start, at 0
 
@@ -127,12 +142,14 @@ class ServicerMetrics:
         draining: Callable[[], bool],
         engine_alive: Callable[[], bool],
         engine_silent: Callable[[], float],
+        stall_stage: Callable[[], int],
     ) -> None:
         """Gauges read at scrape time from the server's own state."""
         self.in_flight.set_function(lambda: float(in_flight()))
         self.draining.set_function(lambda: float(draining()))
         self.engine_alive.set_function(lambda: float(engine_alive()))
         self.engine_silent.set_function(engine_silent)
+        self.engine_stall_stage.set_function(lambda: float(stall_stage()))
 
     def unauthenticated(self) -> None:
         self.rejected.labels(UNAUTHENTICATED).inc()

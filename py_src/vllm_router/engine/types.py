@@ -255,11 +255,14 @@ class EngineProgress:
 
     `busy`: requests are running or waiting in the engine (not those it is holding on
     purpose: paused or asleep). `last_step`: monotonic time of its latest step, or of
-    its going from idle to busy if later; None when the engine cannot tell.
+    its going from idle to busy or being released from a hold if later; None when the
+    engine cannot tell. `held`: paused or asleep on purpose, or a call to make it so (or
+    to release it) has not settled: nothing it owes is judged overdue.
     """
 
     busy: bool
     last_step: float | None
+    held: bool = False
 
 
 @dataclass(frozen=True, slots=True)

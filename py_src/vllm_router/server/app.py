@@ -27,7 +27,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from ..core import MediaRules, RequestTable, ServicerMetrics, ServingCore, ServingState
-from ..core.progress import silent_for, watch_engine_progress
+from ..core.progress import ProgressWatchdog, StallLimits, silent_for
 from ..engine import AsyncEngine
 from .config import ServerConfig, StartupError
 from .health_service import HealthService
@@ -60,11 +60,18 @@ def preflight(config: ServerConfig) -> None:
     if config.api_key is not None and not config.api_key:
         raise StartupError("the API key must not be empty (--api-key)")
     check_transport(config)
+    problem = _stall_limits(config).check()
+    if problem is not None:
+        raise StartupError(problem)
     server_credentials(config.ssl_certfile, config.ssl_keyfile, config.ssl_ca_certs)
     if config.port > 0:
         _check_bindable(config.host, config.port)
     if config.metrics_port:
         _check_bindable(config.metrics_host or config.host, config.metrics_port)
+
+
+def _stall_limits(config: ServerConfig) -> StallLimits:
+    return StallLimits(config.engine_stall_timeout_seconds, config.engine_stall_exit_seconds)
 
 
 def _check_bindable(host: str, port: int) -> None:
@@ -112,17 +119,21 @@ class RunningServer:
                 timeout=config.media_fetch_timeout_seconds,
             ),
         )
+        self.watchdog = ProgressWatchdog(
+            engine, self.state, self.requests, _stall_limits(config), self.metrics
+        )
         if self.metrics is not None:
             self.metrics.watch(
                 in_flight=lambda: len(self.requests.in_flight),
                 draining=lambda: self.state.draining,
                 engine_alive=lambda: not self.state.engine_dead,
                 engine_silent=lambda: silent_for(engine),
+                stall_stage=lambda: self.watchdog.stage,
             )
         self.core = ServingCore(
             engine, self.requests, self.state, self.metrics, direct_send=direct_sender(config)
         )
-        self.state.on_engine_death(self._refresh_health)
+        self.state.on_change(self._refresh_health)
         self.health = HealthService()
         self.contracts = enabled_contracts(config)
         # Services answered by our own (core.handles_errors-decorated) servicers.
@@ -139,6 +150,7 @@ class RunningServer:
         self._shutdown = asyncio.Event()
         self._abort_now = asyncio.Event()
         self._health_status: HealthStatus = health_pb2.HealthCheckResponse.NOT_SERVING
+        self._served = False  # SERVING was published once (a later one is a return)
         self._background: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:
@@ -162,9 +174,7 @@ class RunningServer:
             )
         self._background.append(asyncio.create_task(self._watch_health(), name="health"))
         if self.config.engine_stall_timeout_seconds > 0:
-            watchdog = watch_engine_progress(
-                self.engine, self.state, self.requests, self.config.engine_stall_timeout_seconds
-            )
+            watchdog = self.watchdog.run()
             self._background.append(asyncio.create_task(watchdog, name="engine-progress"))
         if self.config.stream_stall_timeout_seconds > 0:
             stall = self.requests.watch_stalled_streams(self.config.stream_stall_timeout_seconds)
@@ -205,6 +215,9 @@ class RunningServer:
         if published != self._health_status:
             if not status.serving:
                 logger.warning("Health: NOT_SERVING (%s)", status.reason)
+            elif self._served:
+                logger.warning("Health: SERVING again")
+            self._served = self._served or status.serving
             await self._publish_health(published)
         if self.state.engine_dead and self.exit_code == EXIT_OK:
             logger.error("Engine is dead: reporting NOT_SERVING, draining, exiting non-zero")

@@ -7,6 +7,7 @@ from typing import Any
 
 from ..core.media_admission import DEFAULT_MAX_BYTES as DEFAULT_MEDIA_MAX_BYTES
 from ..core.media_admission import DEFAULT_TIMEOUT as DEFAULT_MEDIA_TIMEOUT
+from ..core.progress import DEFAULT_EXIT_SECONDS as DEFAULT_ENGINE_STALL_EXIT
 from ..core.progress import DEFAULT_TIMEOUT_SECONDS as DEFAULT_ENGINE_STALL_TIMEOUT
 from ..defaults import API_KEY_ENV, DEFAULT_HOST, DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_PORT
 
@@ -20,6 +21,8 @@ METAVAR = "metavar"  # the value's placeholder in --help
 CHOICES = "choices"  # the only values the flag accepts
 # The transports `transport` may name (server/transport.py builds each); grpcio the default.
 TRANSPORTS = ("grpcio", "native")
+# How often a client may keepalive-ping on grpcio without a GOAWAY (too_many_pings).
+DEFAULT_MIN_CLIENT_PING_INTERVAL_MS = 500
 
 
 class StartupError(RuntimeError):
@@ -52,7 +55,7 @@ class ServerConfig:
         TRANSPORTS[0],
         "the gRPC transport: grpcio (grpc.aio; every feature) or native (opt-in, needs "
         "pygrpc-native: HTTP/2 in Rust, less CPU per streamed message; no TLS, one listener "
-        "(TCP or --uds), does not enforce --min-client-ping-interval-ms); a setting native "
+        "(TCP or --uds), does not police client pings); a setting native "
         "cannot honour is a start-up error",
         **{CHOICES: TRANSPORTS},
     )
@@ -70,11 +73,16 @@ class ServerConfig:
         "largest request or response message; larger get RESOURCE_EXHAUSTED",
     )
     # Server-initiated pings find dead peers; clients may ping as often as
-    # every `min_client_ping_interval_ms` without being sent GOAWAY.
+    # every `min_client_ping_interval_ms` without being sent GOAWAY (grpcio alone polices
+    # client pings: None is the transport's own rule, DEFAULT_MIN_CLIENT_PING_INTERVAL_MS on
+    # grpcio, none on native, which refuses the setting).
     keepalive_time_ms: int = _opt(30_000, "ping a connection this often to find dead peers")
     keepalive_timeout_ms: int = _opt(10_000, "drop a connection whose ping is not answered in time")
-    min_client_ping_interval_ms: int = _opt(
-        500, "clients may send keepalive pings this often without being disconnected"
+    min_client_ping_interval_ms: int | None = _opt(
+        None,
+        "clients may send keepalive pings this often without being disconnected (default "
+        f"{DEFAULT_MIN_CLIENT_PING_INTERVAL_MS}; --transport grpcio only: native does not "
+        "police client pings and refuses this setting)",
     )
     health_poll_seconds: float = _opt(1.0, "how often grpc.health.v1 re-checks the engine")
     enable_log_requests: bool = _opt(
@@ -102,8 +110,15 @@ class ServerConfig:
     )
     engine_stall_timeout_seconds: float = _opt(
         DEFAULT_ENGINE_STALL_TIMEOUT,
-        "with requests running, an engine that makes no step for this long is stuck: "
-        "NOT_SERVING, its requests fail UNAVAILABLE, the worker exits non-zero (0: never)",
+        "with requests running, an engine that makes no step for this long is stalled: the "
+        "worker leaves rotation (NOT_SERVING, new requests refused, streams in flight kept) "
+        "until its next step (0: no stall watchdog)",
+    )
+    engine_stall_exit_seconds: float = _opt(
+        DEFAULT_ENGINE_STALL_EXIT,
+        "with requests running, an engine that makes no step for this long is stuck: its "
+        "requests fail UNAVAILABLE and the worker exits non-zero (longer than "
+        "--engine-stall-timeout-seconds; 0: never)",
     )
     # Transport security; the unix socket (mode 0600) is always plaintext.
     ssl_certfile: str | None = _opt(None, "server certificate (PEM): serve TLS")
@@ -151,6 +166,12 @@ class ServerConfig:
     )
 
 
+def min_client_ping_interval_ms(config: ServerConfig) -> int:
+    """How often a client may ping on grpcio (the setting, or its default)."""
+    interval = config.min_client_ping_interval_ms
+    return DEFAULT_MIN_CLIENT_PING_INTERVAL_MS if interval is None else interval
+
+
 def server_options(config: ServerConfig) -> list[tuple[str, int]]:
     """gRPC core channel arguments (real key names: unknown keys are ignored silently)."""
     return [
@@ -162,7 +183,7 @@ def server_options(config: ServerConfig) -> list[tuple[str, int]]:
         # timeout says: without it a dead peer is found a minute late (measured on 1.85).
         ("grpc.http2.ping_timeout_ms", config.keepalive_timeout_ms),
         ("grpc.keepalive_permit_without_calls", 1),
-        ("grpc.http2.min_ping_interval_without_data_ms", config.min_client_ping_interval_ms),
+        ("grpc.http2.min_ping_interval_without_data_ms", min_client_ping_interval_ms(config)),
         ("grpc.http2.max_ping_strikes", 2),
         # Never let a second server bind the same port without an error.
         ("grpc.so_reuseport", 0),

@@ -130,6 +130,12 @@ def _check_settings(config: ServerConfig) -> None:
             "--transport native serves one listener: --uds needs --port -1 with it "
             "(--transport grpcio serves both)"
         )
+    if config.min_client_ping_interval_ms is not None:
+        raise StartupError(
+            "--transport native does not police client pings (a client may ping as often as "
+            "it likes): --min-client-ping-interval-ms cannot be honoured; drop it, or use "
+            "--transport grpcio"
+        )
 
 
 def native_options(config: ServerConfig) -> list[tuple[str, int]]:

@@ -175,8 +175,9 @@ class MockAsyncEngine:
             await self.abort(request_id)
 
     def progress(self) -> EngineProgress:
-        busy = self._running.is_set() and any(not r.handed_out for r in self._requests.values())
-        return EngineProgress(busy=busy, last_step=self._last_step)
+        running = self._running.is_set()
+        busy = running and any(not r.handed_out for r in self._requests.values())
+        return EngineProgress(busy=busy, last_step=self._last_step, held=not running)
 
     def loads(self) -> list[RankLoad]:
         held = self._requests.values()
@@ -226,6 +227,8 @@ class MockAsyncEngine:
         self._last_step = time.monotonic()  # held requests move from now on
 
     async def is_paused(self) -> bool:
+        if self._stalled_until is not None:
+            await self._stall()  # a stalled engine's loop answers no question either
         return not self._running.is_set()
 
     async def sleep(self, level: int, mode: PauseMode) -> None:

@@ -183,8 +183,9 @@ class VllmEngine:
     def progress(self) -> EngineProgress:
         if not self._progress:
             return EngineProgress(busy=False, last_step=None)
-        busy = not self._held and bool(self._llm.output_processor.request_states)
-        return EngineProgress(busy=busy, last_step=self._board.last_step)
+        held = self._held
+        busy = not held and bool(self._llm.output_processor.request_states)
+        return EngineProgress(busy=busy, last_step=self._board.last_step, held=held)
 
     def _work_arrives(self) -> None:
         """A request is about to enter the engine: an idle engine's silence so far is no
@@ -246,12 +247,44 @@ class VllmEngine:
         )
 
     async def pause(self, mode: PauseMode, clear_cache: bool) -> None:
-        await self._call(self._llm.pause_generation, mode=mode, clear_cache=clear_cache)
         self._held = True
+        await self._settled(self._llm.pause_generation, mode=mode, clear_cache=clear_cache)
 
     async def resume(self) -> None:
-        await self._call(self._llm.resume_generation)
-        self._release()
+        await self._settled(self._llm.resume_generation, releases=True)
+
+    async def _settled(
+        self,
+        operation: Callable[..., Awaitable[object]],
+        *args: Any,
+        releases: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        """A call that holds the engine's requests (pause, sleep: marked held before it
+        starts, so nothing it stops is judged stuck meanwhile) or releases them (resume,
+        wake-up), run to its end even when its caller leaves: vLLM's call is not cut in
+        half by a deadline, and the held mark follows what the engine did. When the call
+        fails, the engine is asked whether it holds its requests."""
+        if self._llm.errored:
+            raise EngineDead("vLLM engine is dead; retry on another worker")
+        settling = asyncio.ensure_future(self._settle(operation(*args, **kwargs), releases))
+        settling.add_done_callback(_retrieved)  # a caller that left does not read it
+        await asyncio.shield(settling)
+
+    async def _settle(self, call: Awaitable[object], releases: bool) -> None:
+        try:
+            await call
+        except Exception as exc:
+            await self._ask_held()
+            reraise(exc)
+        if releases:
+            self._release()
+
+    async def _ask_held(self) -> None:
+        try:
+            self._held = bool(await self._llm.is_paused()) or bool(await self._llm.is_sleeping())
+        except Exception as exc:  # a dead engine is found by its own paths
+            logger.warning("Could not ask the engine whether it is paused or asleep: %s", exc)
 
     def _release(self) -> None:
         self._held = False
@@ -262,13 +295,12 @@ class VllmEngine:
 
     async def sleep(self, level: int, mode: PauseMode) -> None:
         self._require_sleep_mode()
-        await self._call(self._llm.sleep, level, mode)
         self._held = True
+        await self._settled(self._llm.sleep, level, mode)
 
     async def wake_up(self, tags: list[str] | None) -> None:
         self._require_sleep_mode()
-        await self._call(self._llm.wake_up, tags)
-        self._release()
+        await self._settled(self._llm.wake_up, tags, releases=True)
 
     async def is_sleeping(self) -> bool:
         return bool(await self._call(self._llm.is_sleeping))
@@ -495,3 +527,9 @@ def _reasoning_gate(request: GenerationRequest) -> dict[str, Any]:
     if request.reasoning_kwargs is not None:
         gate["reasoning_parser_kwargs"] = dict(request.reasoning_kwargs)
     return gate
+
+
+def _retrieved(task: asyncio.Future[None]) -> None:
+    """Read a finished task's outcome, so that one nobody awaited is not reported unread."""
+    if not task.cancelled():
+        task.exception()
