@@ -240,13 +240,13 @@ def step_stages(engine: Any, number: int) -> dict[str, float]:
     fast = FastOutputs(outputs, count_nans=False)
     taken: list[list[int]] = []
 
-    def sink(token_ids: list[int]) -> bool:
+    def sink(token_ids: list[int], completion_tokens: int) -> bool:
         taken.append(token_ids)
         return True
 
     for i in ids:
         state = outputs.request_states[i]
-        stream = LeanStream(i, state, detokenize=False, prompt_tokens=32, decoded=sink)
+        stream = LeanStream(i, state, detokenize=False, prompt_tokens=32, sink=sink)
         stream._started = True
         stream._waiter = asyncio.get_event_loop().create_future()
         fast.register(i, stream)
@@ -283,7 +283,7 @@ def render_stages(engine: Any, number: int) -> dict[str, float]:
         cached_tokens=0,
     )  # fmt: skip
     wanted = native.Wanted.of(npb.ResponseOptions())
-    native_decode = native.decoded_output(wanted)
+    native_decode = native.decode_output(wanted)
     # The step renderer (a task's send) and the decode renderer (a direct send) of each.
     renders = {
         "native": lambda: native.sequence_output(step, wanted, frozenset()),

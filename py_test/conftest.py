@@ -106,10 +106,10 @@ async def loop_watch() -> AsyncIterator[None]:
 def direct_count(monkeypatch: pytest.MonkeyPatch) -> DirectCount:
     """Counts the decode steps flights send directly (core/flight.py), and the refused."""
     count = DirectCount()
-    send = Flight._send_directly
+    send = Flight._hand_off
 
-    def counted(self: Flight, token_ids: list[int]) -> bool:
-        taken = send(self, token_ids)
+    def counted(self: Flight, token_ids: list[int], completion_tokens: int) -> bool:
+        taken = send(self, token_ids, completion_tokens)
         if taken:
             count.sent += 1
         else:
@@ -117,7 +117,7 @@ def direct_count(monkeypatch: pytest.MonkeyPatch) -> DirectCount:
             count.refused_once_sending += count.sent > 0
         return taken
 
-    monkeypatch.setattr(Flight, "_send_directly", counted)
+    monkeypatch.setattr(Flight, "_hand_off", counted)
     return count
 
 

@@ -49,7 +49,7 @@ def test_vllm_grpc_engine(decode: tuple[list[int], EngineStep, int]) -> None:
 @pytest.mark.parametrize("decode", DECODES)
 def test_vllm_native(flags: tuple[bool, ...], decode: tuple[list[int], EngineStep, int]) -> None:
     wanted = native.Wanted(*flags)
-    made = native.decoded_output(wanted)(*decode)
+    made = native.decode_output(wanted)(*decode)
     assert made == native.sequence_output(plain(*decode), wanted, frozenset({2}))
     assert made.outputs.num_tokens == len(decode[0])
     assert list(made.outputs.token_ids) == (decode[0] if wanted.token_ids else [])

@@ -277,16 +277,17 @@ async def test_decode_steps_handed_over_by_the_engine_keep_every_token_in_order(
     assert delta(before, after, "vllm_servicer:generated_tokens_total") == sum(lengths.values())
 
 
-async def test_handed_over_steps_merge_until_taken_and_a_claim_keeps_their_order() -> None:
+async def test_handed_off_steps_merge_until_taken_and_a_claim_keeps_their_order() -> None:
     from vllm_router.core.batching import Lane, Outbox
     from vllm_router.engine import EngineStep
 
     outbox: Outbox[str, str] = Outbox()
     lane, other = Lane("a", outbox, compact=True), Lane("b", outbox, compact=False)
     engine_list = [1, 2]
-    lane(engine_list)
-    other([9])
-    lane([3])  # steps while no message is taken merge into one run
+    lane(engine_list, 2)
+    other([9], 1)
+    lane([3], 3)  # steps while no message is taken merge into one run
+    assert lane.completion_tokens == 3  # as the engine told it
     assert engine_list == [1, 2]  # the engine's own list is never extended
     taken = outbox.take()
     assert taken is not None
@@ -296,7 +297,7 @@ async def test_handed_over_steps_merge_until_taken_and_a_claim_keeps_their_order
     assert outbox.take() is None
     # The request's task takes a step (its last) while its lane holds tokens: the lane's
     # come first, and leave the next message.
-    lane([4, 5])
+    lane([4, 5], 5)
     last = EngineStep(token_ids=[6], text="", finished=True, prompt_tokens=1, completion_tokens=6)
     claimed = lane.claim(last)
     assert claimed.token_ids == [4, 5, 6] and claimed.finished

@@ -201,24 +201,33 @@ async def test_grpc_clients_on_the_lean_path_are_cancelled_and_counted(real: Har
 async def test_decode_steps_handed_to_the_consumers_sink_keep_their_order(
     real: Harness, name: str
 ) -> None:
-    """`generate(decoded=...)`: plain decode steps go to the sink while the consumer waits;
-    the steps and the handed tokens, in the order they came, are vLLM's own outcome."""
+    """`generate(sink=...)`: plain decode steps are handed off to the sink while the consumer
+    waits; the steps and the handed-off tokens, in the order they came, are vLLM's own
+    outcome, and the sink is told the request's completion tokens with each."""
     _, options = CASES[name]
     reference = await run(real, False, generation(f"ref-h-{name}", **options))
     arrived: list[list[int] | EngineStep] = []
+    told: list[int] = []
 
-    def take(token_ids: list[int]) -> bool:
+    def take(token_ids: list[int], completion_tokens: int) -> bool:
+        told.append(completion_tokens)
         arrived.append(token_ids)
         return True
 
     with output_path(real, True):
         request = generation(f"handed-{name}", **options)
-        async for step in real.engine.generate(request, decoded=take):
+        async for step in real.engine.generate(request, sink=take):
             arrived.append(step)
     steps = [a for a in arrived if isinstance(a, EngineStep)]
     handed = [a for a in arrived if not isinstance(a, EngineStep)]
     tokens = [t for a in arrived for t in (a.token_ids if isinstance(a, EngineStep) else a)]
     assert tokens == outcome(reference)["token_ids"]
-    assert len(handed) >= len(tokens) // 2  # most steps were handed over, not yielded
+    assert len(handed) >= len(tokens) // 2  # most steps were handed off, not yielded
+    produced, counts = 0, []
+    for a in arrived:
+        produced += len(a.token_ids if isinstance(a, EngineStep) else a)
+        if not isinstance(a, EngineStep):
+            counts.append(produced)
+    assert told == counts  # the request's completion tokens, told with each handed-off step
     assert {**outcome(steps), "token_ids": tokens} == outcome(reference)
     await wait_until(lambda: real_engine_idle(real), what="engine idle")

@@ -15,6 +15,7 @@ import re
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -196,7 +197,14 @@ def test_the_cli_refuses_in_one_line_and_lists_the_choices(pki) -> None:
 
 # -- clients that stop reading ---------------------------------------------------------------------
 
-STALLED_CLIENTS = 16  # more than the default executor's threads on a small machine (6 on 2 cores)
+STALLED_CLIENTS = 16
+# The event loop's default executor is where upstream's send (pygrpc-native 0.5.0) parks a
+# thread per stalled stream. asyncio sizes it by the machine (min(32, CPUs + 4) threads): on
+# more than 12 CPUs it has a thread to spare for 16 stalled clients, and a send that holds
+# threads would go unseen. The test pins it to a 2-CPU machine's size, fewer threads than
+# stalled clients, so it catches one on a machine of any size.
+DEFAULT_EXECUTOR_THREADS = 6
+assert DEFAULT_EXECUTOR_THREADS < STALLED_CLIENTS
 STALL_TIMEOUT = 2.0
 # A connection of its own per stalled client (channels to one address share one by default),
 # with a fixed 64 KiB window (no BDP growth): the 16 streams back up within a second, well
@@ -234,12 +242,15 @@ async def _status_after_the_rest(call: grpc.aio.UnaryStreamCall) -> grpc.StatusC
 
 @pytest.mark.parametrize("transport_name", TRANSPORTS)
 async def test_clients_that_stop_reading_hold_no_thread_and_are_cancelled(
-    transport_name: str, start_mock: StartServer, figures
+    transport_name: str, start_mock: StartServer, figures, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """16 clients stop reading long streams: the default executor stays free (the bug
-    transport.py works around on native), another client's stream runs, memory stays
-    bounded; the stall watchdog cancels them all and the engine is left idle."""
+    """16 clients stop reading long streams: the default executor (pinned to 6 threads) stays
+    free (the bug transport.py works around on native), another client's stream runs, memory
+    stays bounded; the stall watchdog cancels them all and the engine is left idle."""
     _require(transport_name)
+    pinned = ThreadPoolExecutor(DEFAULT_EXECUTOR_THREADS, thread_name_prefix="asyncio-pinned")
+    # Restored (before the server stops) when the test ends.
+    monkeypatch.setattr(asyncio.get_running_loop(), "_default_executor", pinned)
     config = ServerConfig(
         port=0,
         transport=transport_name,
@@ -310,6 +321,7 @@ async def test_clients_that_stop_reading_hold_no_thread_and_are_cancelled(
             call.cancel()
         for channel in channels:
             await channel.close()
+        pinned.shutdown(wait=False)
     # Bounded: the 16 streams' buffers (server's and, here in-process, the clients' windows)
     # are a fixed amount, and do not grow while the clients stay stalled.
     held, growth = rss_held - rss_before, rss_later - rss_held

@@ -15,8 +15,8 @@ next step (the steps merge meanwhile, as on a single-request stream), so a clien
 reads slowly is sent fewer, larger messages and never makes the engine wait.
 
 A request's plain decode steps (new token ids, nothing else) need none of that: the
-engine hands them to the request's `Lane` from its output loop (`AsyncEngine.generate`'s
-`decoded`) while the request's task waits for something else (its finish), and the lane
+engine hands them off to the request's `Lane` (its sink, engine/handoff.py) from its output
+loop while the request's task waits for something else (its finish), and the lane
 appends them to the outbox's pending message. No task wakes, no step object is built, and
 steps that arrive while a message is being sent merge into the next one. The task still
 takes the first step, the last, errors and anything else, and claims what its lane holds
@@ -59,12 +59,12 @@ STALLED = "the client stopped reading this stream; the request was aborted"
 
 
 class Lane:
-    """Where the engine puts one request's plain decode steps (the engine's `decoded`).
+    """One request's sink: where the engine hands its plain decode steps off to.
 
     Called from inside the engine's output loop, once per request per step: it only
     appends (the first tokens since the last message also queue the lane in the outbox).
-    The counts are the request's usage as of its latest tokens, for a renderer that
-    sends them in GenerateStream's shape.
+    The counts are the request's usage as of its latest tokens (the engine's, told with
+    each step), for a renderer that sends them in GenerateStream's shape.
     """
 
     __slots__ = ("_outbox", "cached_tokens", "compact", "completion_tokens", "prompt_tokens",
@@ -79,14 +79,14 @@ class Lane:
         self.cached_tokens = 0
         self._outbox = outbox
 
-    def __call__(self, token_ids: list[int]) -> bool:
+    def __call__(self, token_ids: list[int], completion_tokens: int) -> bool:
         """Always takes them: they leave with the outbox's next message."""
         if self.token_ids:
             self.token_ids += token_ids
         else:
             self.token_ids = [*token_ids]  # the engine's list is not ours to extend
             self._outbox.queue(self)
-        self.completion_tokens += len(token_ids)
+        self.completion_tokens = completion_tokens
         return True
 
     def claim(self, step: EngineStep) -> EngineStep:
@@ -276,7 +276,7 @@ class BatchSession(Generic[Update, Error]):
     async def _run(self, request_id: str, generation: GenerationRequest, lane: Lane) -> None:
         started = False  # has the engine produced anything for it (else it was refused)
         try:
-            async with self._table.run(generation, decoded=lane) as flight:
+            async with self._table.run(generation, handoff=lane) as flight:
                 # The session's sender is what a stalled client blocks.
                 flight.send_clock = self.outbox
                 async for step in flight.steps():

@@ -4,12 +4,12 @@
 engine, so the bookkeeping every contract needs (token and finish counters, the timing
 histograms, what the stall watchdog watches, a drain abort told as UNAVAILABLE) is here once.
 
-A stream on a transport that can send without waiting (`DirectSend`: pygrpc-native's
-non-blocking send) is fed straight from engine steps: the flight is the engine's sink for
-the request's plain decode steps (engine/handoff.py), renders each into the stream's next
-message from the engine's output loop (the contract's `DecodeRenderer`, prebuilt for the
-stream) and hands it to the transport. No task wakes, no
-generator resumes. When the transport cannot take it (the client's window is full) the
+A stream on a transport with a direct send (`DirectSend`: a send that never waits, such as
+pygrpc-native's) is fed straight from engine steps: the flight is the sink the engine hands
+the request's plain decode steps off to (engine/handoff.py, which alone says which steps),
+renders each into the stream's next message from the engine's output loop (the contract's
+`DecodeRenderer`, prebuilt for the stream) and passes it to the direct send. No task wakes,
+no generator resumes. When the transport cannot take it (the client's window is full) the
 step is refused, the engine buffers it and the request's task sends it the awaited way,
 merged with the steps that arrive meanwhile: steps coalesce only under back-pressure, and
 a token is never held back while the pipe is free.
@@ -21,9 +21,10 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
-from ..engine import EngineStep
+from ..engine import EngineStep, HandoffSink
 from ..errors import EngineUnavailable
 from .metrics import ServicerMetrics
 
@@ -37,18 +38,20 @@ SHUT_DOWN = (
 )
 
 
-class DirectSend(Protocol):
-    """A transport's send of one response message that does not wait: True if the transport
-    took it (it goes out after every message before it), False if it cannot now (the
-    client's flow-control window is full, or the stream has ended). Never blocks or raises."""
+@dataclass(frozen=True, slots=True)
+class DirectSend:
+    """A stream's direct send, as its transport gives it: `send(message)` sends one response
+    message without waiting; True if the transport took it (it goes out after every message
+    before it), False if it cannot now (the client's flow-control window is full, or the
+    stream has ended). It never blocks or raises."""
 
-    def __call__(self, message: Any) -> bool: ...
+    send: Callable[[Any], bool]
 
 
 # A contract's prebuilt rendering of a plain decode step (new token ids and nothing else)
 # into the stream's message: the same message its step renderer makes of that step, built
 # without an EngineStep. Called with the new token ids, the step rendered before it (prompt
-# and cached token counts, sample index) and the request's tokens so far.
+# and cached token counts, sample index) and the request's completion tokens with them.
 DecodeRenderer = Callable[[list[int], EngineStep, int], Any]
 
 
@@ -66,9 +69,9 @@ class Flight:
     no contract can forget that a drain abort is UNAVAILABLE, not an answer.
     """
 
-    __slots__ = ("_completion_tokens", "_decode", "_direct", "_engine_steps", "_last_sent",
-                 "_last_step", "_metrics", "_started", "failure", "request_id", "send_clock",
-                 "sending_since", "shut_down", "task")  # fmt: skip
+    __slots__ = ("_decode", "_direct_send", "_engine_steps", "_last_sent", "_last_step",
+                 "_metrics", "_started", "failure", "request_id", "send_clock", "sending_since",
+                 "shut_down", "task")  # fmt: skip
 
     def __init__(self, request_id: str, metrics: ServicerMetrics | None) -> None:
         self.request_id = request_id
@@ -86,18 +89,17 @@ class Flight:
         self._started = time.monotonic()
         self._last_sent: float | None = None
         self._engine_steps: AsyncIterator[EngineStep] | None = None
-        # Direct sends (`sink`): the transport's send, the stream's decode renderer once
-        # `messages` runs, the last step it rendered and the tokens produced since.
-        self._direct: DirectSend | None = None
+        # Its hand-off (`sink`): the stream's direct send, its decode renderer once
+        # `messages` runs, and the last step it rendered.
+        self._direct_send: Callable[[Any], bool] | None = None
         self._decode: DecodeRenderer | None = None
         self._last_step: EngineStep | None = None
-        self._completion_tokens = 0
 
-    def sink(self, send: DirectSend) -> Callable[[list[int]], bool]:
-        """The engine's sink for this request's plain decode steps, sending each as the
-        stream's next message through `send` (see the module docstring)."""
-        self._direct = send
-        return self._send_directly
+    def sink(self, direct_send: DirectSend) -> HandoffSink:
+        """The sink the engine hands this request's plain decode steps off to, sending each
+        as the stream's next message through `direct_send` (see the module docstring)."""
+        self._direct_send = direct_send.send
+        return self._hand_off
 
     def begin(self, engine_steps: AsyncIterator[EngineStep]) -> None:
         """The request runs in the engine now; these are its steps."""
@@ -117,7 +119,7 @@ class Flight:
     ) -> AsyncIterator[Message]:
         """The messages `render` makes of each step, as a stream handler yields them to gRPC;
         `decode`, the same message for a plain decode step, rendered without building the
-        step: what a direct send renders (none: the stream takes no direct sends).
+        step: what the flight's sink renders (none: every step is the task's to send).
 
         The generator resumes once gRPC has sent a message; a client that stops reading
         keeps it suspended at the yield, which the stall watchdog sees
@@ -129,30 +131,28 @@ class Flight:
         async for step in self._engine_steps:
             self._record(step)
             self._last_step = step
-            self._completion_tokens = step.completion_tokens
             for message in render(step):
                 self.answering()
                 yield message
                 self.sending_since = None
 
-    def _send_directly(self, token_ids: list[int]) -> bool:
-        """A plain decode step, from the engine's output loop: rendered as the stream's next
-        message and handed to the transport; False (the engine buffers it) when the
-        transport cannot take it now, before the stream's first message, or when the
-        stream's contract has no decode renderer."""
-        decode, last, send = self._decode, self._last_step, self._direct
+    def _hand_off(self, token_ids: list[int], completion_tokens: int) -> bool:
+        """The flight's sink: a plain decode step, from the engine's output loop, rendered
+        as the stream's next message and passed to the direct send; False (the engine
+        buffers it) when the transport cannot take it now, or when there is nothing to
+        render it with (the stream's contract has no decode renderer, or no step has been
+        rendered yet: the hand-off rule never offers a request's first step)."""
+        decode, last, send = self._decode, self._last_step, self._direct_send
         if decode is None or last is None or send is None:
             return False
-        completion = self._completion_tokens + len(token_ids)
         try:
-            if not send(decode(token_ids, last, completion)):
+            if not send(decode(token_ids, last, completion_tokens)):
                 return False
         except Exception:
             # This runs inside the engine's output loop, where an exception would fail the
             # engine: the task renders the step again and its error reaches this client.
             logger.exception("request %s: a direct send failed", self.request_id)
             return False
-        self._completion_tokens = completion
         now = time.monotonic()
         metrics = self._metrics
         if metrics is not None:

@@ -16,7 +16,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 
-from ..engine import AsyncEngine, Embedding, GenerationRequest, TokenSink
+from ..engine import AsyncEngine, Embedding, GenerationRequest, HandoffSink
 from ..errors import (
     DuplicateRequest,
     Overloaded,
@@ -73,15 +73,15 @@ class RequestTable:
         self,
         request: GenerationRequest,
         *,
-        decoded: TokenSink | None = None,
-        direct: DirectSend | None = None,
+        handoff: HandoffSink | DirectSend | None = None,
     ) -> AsyncIterator[Flight]:
         """Admit `request`, start it in the engine and yield its Flight (see its steps).
 
-        `decoded`: where the engine may put the request's plain decode steps instead of
-        yielding them (`AsyncEngine.generate`); they are not counted here (the caller
-        counts them, in bulk: `count_generated`). `direct`: the stream's send that does not
-        wait, through which the flight sends those steps itself (flight.py).
+        `handoff`: where the engine may hand the request's plain decode steps off to
+        instead of yielding them (engine/handoff.py): a sink (a batched stream's lane;
+        what it takes is not counted here: the caller counts it, in bulk, with
+        `count_generated`), or the stream's direct send, through which the flight sends
+        each step as the stream's next message itself (flight.py).
 
         Leaving the block (finished, cancelled, failed) closes the engine's iterator,
         which aborts the request in the engine if it is still running."""
@@ -97,10 +97,8 @@ class RequestTable:
                     request.dp_rank,
                     request.lora_name,
                 )
-            if direct is not None:
-                assert decoded is None, "a request has one sink"
-                decoded = flight.sink(direct)
-            steps = self._engine.generate(request, decoded=decoded)
+            sink = flight.sink(handoff) if isinstance(handoff, DirectSend) else handoff
+            steps = self._engine.generate(request, sink=sink)
             flight.begin(steps)
             try:
                 yield flight
@@ -108,7 +106,7 @@ class RequestTable:
                 await steps.aclose()
 
     def count_generated(self, tokens: int) -> None:
-        """Tokens that reached a client outside any Flight's steps (see `run`'s `decoded`)."""
+        """Tokens that reached a client outside any Flight's steps (see `run`'s `handoff`)."""
         if self._metrics is not None:
             self._metrics.generated_tokens.inc(tokens)
 

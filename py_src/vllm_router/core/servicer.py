@@ -44,8 +44,8 @@ class ServingCore:
     requests: RequestTable
     state: ServingState
     metrics: ServicerMetrics | None = None
-    # The transport's send that does not wait, for a stream's context (None: the transport
-    # has none, or direct sends are off); see core/flight.py.
+    # A stream context's direct send (a send that never waits; None: the transport has
+    # none, or direct sends are off); see core/flight.py.
     direct_send: Callable[[grpc.aio.ServicerContext], DirectSend | None] = lambda _: None
     tokenizer: TokenizerFiles = field(init=False)
     # Pause, sleep, weight updates...: one at a time, measured and traced.
@@ -102,9 +102,10 @@ class ContractServicer:
         self._requests = core.requests
         self._state = core.state
 
-    def _direct(self, context: grpc.aio.ServicerContext) -> DirectSend | None:
-        """The stream's send that does not wait, if its transport has one (a stream
-        handler passes it to `RequestTable.run`: its decode steps then skip the handler)."""
+    def _direct_send(self, context: grpc.aio.ServicerContext) -> DirectSend | None:
+        """The stream's direct send, if its transport has one (a stream handler passes it
+        to `RequestTable.run` as the request's hand-off: its decode steps then skip the
+        handler)."""
         return self.core.direct_send(context)
 
     @functools.cached_property

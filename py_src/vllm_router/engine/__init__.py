@@ -4,7 +4,7 @@
 `vllm_router.testing`. Nothing in this package imports gRPC contracts.
 """
 
-from .handoff import Handoff, TokenSink, hands_over
+from .handoff import Handoff, HandoffSink, may_hand_off
 from .media_types import DTYPE_SIZES, MediaItem, ProcessedMedia, RawTensor
 from .protocol import NO_DRAFT_MODEL, NO_WEIGHT_TRANSFER, AsyncEngine, PauseMode
 from .types import (
@@ -40,6 +40,7 @@ __all__ = [
     "FinishReason",
     "GenerationRequest",
     "Handoff",
+    "HandoffSink",
     "KvBlocksRemoved",
     "KvBlocksStored",
     "KvCacheCleared",
@@ -56,6 +57,5 @@ __all__ = [
     "SamplingOptions",
     "StructuredOutputs",
     "TokenLogprob",
-    "TokenSink",
-    "hands_over",
+    "may_hand_off",
 ]

@@ -26,10 +26,12 @@ override is tied to the exact release and to the attributes it replaces or uses,
 before use.
 
 Direct sends (`direct_sender`, on unless --no-direct-sends): the serving core sends a
-stream's plain decode steps from the engine's output loop (core/flight.py) through
-`stream_try_send`, which never waits: a message the client's window cannot take is refused
-and goes the awaited way above, merged with the steps after it. The same release-pinned
-touch points (the context's server and call, the server's encoder) are checked with the rest.
+stream's plain decode steps, handed off from the engine's output loop (engine/handoff.py,
+core/flight.py), through `stream_try_send`, which never waits: a message the client's
+window cannot take is refused and goes the awaited way above, merged with the steps after
+it. Which steps are handed off is the hand-off rule's; the transport only takes or refuses.
+The same release-pinned touch points (the context's server and call, the server's encoder)
+are checked with the rest.
 
 A second upstream bug: `aio.Server.stop` closes the front as soon as the handlers have
 returned, and `NativeGrpcFront.close` drops what its I/O threads have not written yet; a
@@ -287,10 +289,10 @@ def _polling_send_server(aio: ModuleType) -> type[grpc.aio.Server]:
             running = sum(1 for call in self._calls.values() if call.task and not call.task.done())
             return max(0, started - finished - running)
 
-        def send_now(self, call: Any, context: Any, response: Any) -> bool:
-            """A direct send (`direct_sender`): True if the transport took `response` at
-            once; False if the client's window is full or the stream has ended (or the
-            message could not be encoded, which fails the call itself)."""
+        def direct_send(self, call: Any, context: Any, response: Any) -> bool:
+            """A stream's direct send (`direct_sender`): True if the transport took
+            `response` at once; False if the client's window is full or the stream has ended
+            (or the message could not be encoded, which fails the call itself)."""
             if context._closed:
                 return False
             data = self._encode(call, context, response)
@@ -326,8 +328,8 @@ def _polling_send_server(aio: ModuleType) -> type[grpc.aio.Server]:
 def direct_sender(
     config: ServerConfig,
 ) -> Callable[[grpc.aio.ServicerContext], DirectSend | None]:
-    """What gives a stream's context its send that does not wait (`ServingCore.direct_send`):
-    on the native transport with direct sends on, for its own stream contexts; else none."""
+    """What gives a stream's context its direct send (`ServingCore.direct_send`): on the
+    native transport with direct sends on, for its own stream contexts; else none."""
     if config.transport != NATIVE or not config.direct_sends:
         return _no_direct_send
     context_class: type = _native_module()._Context
@@ -336,7 +338,7 @@ def direct_sender(
         if type(context) is not context_class:  # e.g. a reflection call on the fallback
             return None
         native: Any = context
-        return functools.partial(native._server.send_now, native._call, native)
+        return DirectSend(functools.partial(native._server.direct_send, native._call, native))
 
     return direct_send
 

@@ -44,6 +44,7 @@ from ..engine import (
     EngineStep,
     GenerationRequest,
     Handoff,
+    HandoffSink,
     KvEventBatch,
     KvEventSource,
     LoadSnapshot,
@@ -51,8 +52,7 @@ from ..engine import (
     ModelFacts,
     PauseMode,
     RankLoad,
-    TokenSink,
-    hands_over,
+    may_hand_off,
 )
 from ..engine.types import FinishReason
 from ..errors import (
@@ -290,7 +290,7 @@ class MockAsyncEngine:
         check_supported(request.sampling)
 
     async def generate(
-        self, request: GenerationRequest, *, decoded: TokenSink | None = None
+        self, request: GenerationRequest, *, sink: HandoffSink | None = None
     ) -> AsyncGenerator[EngineStep, None]:
         await self.check_health()
         self.check_sampling(request)
@@ -311,11 +311,15 @@ class MockAsyncEngine:
             held = await self._wait_for_slot(state)
             state.running = held
             interval = request.sampling.stream_interval or 1
-            plain = hands_over(
-                request.sampling, request.sampling.n or 1, detokenize=request.detokenize
+            handoff = (
+                Handoff(sink)
+                if sink is not None
+                and may_hand_off(
+                    request.sampling, request.sampling.n or 1, detokenize=request.detokenize
+                )
+                else None
             )
-            handed = Handoff(decoded) if plain else None
-            async for step in every_interval(self._decode(state, handed), interval):
+            async for step in every_interval(self._decode(state, handoff), interval):
                 finished = step.finished
                 state.handed_out = True
                 yield step
@@ -397,8 +401,8 @@ class MockAsyncEngine:
     async def _decode(
         self, state: _Request, handoff: Handoff | None = None
     ) -> AsyncGenerator[EngineStep, None]:
-        """The request's steps; with `handoff`, its plain decode steps are offered to the
-        consumer's sink (this generator runs only while its consumer waits on it, and
+        """The request's steps; with `handoff`, each is offered to the consumer's sink by the
+        rule of handoff.py (this generator runs only while its consumer waits on it, and
         buffers nothing: a refused step is yielded at once)."""
         request = state.request
         s = request.sampling
@@ -423,16 +427,16 @@ class MockAsyncEngine:
                     self.config.tokens_per_step, self._die_if_due
                 )
                 state.generated += len(new_ids)
-                if not (
-                    handoff is not None
-                    and finish is None
-                    and handoff.offer(
-                        new_ids,
-                        started=sample.generated > len(new_ids),
-                        waiting=True,
-                        buffered=False,
-                    )
+                if handoff is None:
+                    yield self._step(state, sample, new_ids, text, finish, stop_reason, cached)
+                elif not handoff.offer(
+                    new_ids,
+                    first=sample.generated == len(new_ids),
+                    last=finish is not None,
+                    waiting=True,
+                    buffered=False,
                 ):
+                    handoff.count(new_ids)  # its one sample's count: what the sink is told
                     yield self._step(state, sample, new_ids, text, finish, stop_reason, cached)
                 if finish is not None:
                     active.remove(sample)

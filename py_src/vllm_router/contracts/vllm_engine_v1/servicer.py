@@ -58,7 +58,7 @@ class VllmEngineServicer(ContractServicer, pb_grpc.VllmEngineServicer):
         ) -> pb.GenerateStreamResponse:
             return responses.decode_message(request_id, token_ids, last, completion_tokens)
 
-        async with self._requests.run(generation, direct=self._direct(context)) as flight:
+        async with self._requests.run(generation, handoff=self._direct_send(context)) as flight:
             async for message in flight.messages(render, decode):
                 yield message
 

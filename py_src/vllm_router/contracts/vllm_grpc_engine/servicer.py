@@ -38,8 +38,8 @@ class VllmGrpcServicer(ContractServicer, vpb_grpc.VllmEngineServicer):
         generation = convert.to_generation_request(request, self._engine.facts, trace)
         sampling = generation.sampling
         tops = (max(sampling.logprobs or 0, 0), max(sampling.prompt_logprobs or 0, 0))
-        direct = self._direct(context) if request.stream else None
-        async with self._requests.run(generation, direct=direct) as flight:
+        direct_send = self._direct_send(context) if request.stream else None
+        async with self._requests.run(generation, handoff=direct_send) as flight:
             if request.stream:
                 render = self._stream_renderer(*tops)
                 async for message in flight.messages(render, responses.decode_chunk):

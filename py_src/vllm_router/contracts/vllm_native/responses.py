@@ -121,7 +121,7 @@ def sequence_output(
     return npb.GenerateResponse(outputs=output)
 
 
-def decoded_output(wanted: Wanted) -> Callable[[list[int], EngineStep, int], npb.GenerateResponse]:
+def decode_output(wanted: Wanted) -> Callable[[list[int], EngineStep, int], npb.GenerateResponse]:
     """`sequence_output` of a plain decode step, for one stream's `wanted` (core/flight.py's
     DecodeRenderer): a plain step has no text, no scores and no finish."""
     with_ids = wanted.token_ids

@@ -24,7 +24,7 @@ from ...errors import (
     ServicerError,
     Unsupported,
 )
-from ..handoff import TokenSink, hands_over
+from ..handoff import HandoffSink, may_hand_off
 from ..protocol import NO_DRAFT_MODEL, NO_WEIGHT_TRANSFER, PauseMode
 from ..types import (
     Embedding,
@@ -91,8 +91,11 @@ class VllmEngine:
         # Token streams without a RequestOutput per step where a request allows it
         # (lean.py); off when asked, or when this vLLM lacks the hand-off points.
         self.lean_outputs = lean_outputs and LEAN_OUTPUTS in self.features
-        # Token-only requests' decode steps without vLLM's per-request output work.
+        # Token-only requests' decode steps without vLLM's per-request output work: the
+        # output-loop path a hand-off takes (engine/handoff.py), at the engine's own stream
+        # interval (--stream-interval; vLLM streams a request at the larger of the two).
         self.fast_outputs: FastOutputs | None = None
+        self._stream_interval: int = getattr(llm.vllm_config.scheduler_config, "stream_interval", 1)
         if self.lean_outputs and FAST_OUTPUTS in self.features:
             from vllm import envs
             from vllm.v1.metrics.loggers import PrometheusStatLogger
@@ -452,7 +455,7 @@ class VllmEngine:
         self._sampling_params(request, len(request.prompt_token_ids or ()))
 
     def generate(
-        self, request: GenerationRequest, *, decoded: TokenSink | None = None
+        self, request: GenerationRequest, *, sink: HandoffSink | None = None
     ) -> AsyncGenerator[EngineStep, None]:
         # A plain method returning the steps' generator: no extra generator layer per
         # token; invalid parameters raise here, before the request reaches vLLM.
@@ -461,14 +464,14 @@ class VllmEngine:
             raise ValueError("VllmEngine.generate needs prompt_token_ids (tokenize text first)")
         if request.media or request.processed_media:
             return self._media_steps(request, ids)
-        return self._steps(request, ids, self._engine_prompt(ids, request.cache_salt), decoded)
+        return self._steps(request, ids, self._engine_prompt(ids, request.cache_salt), sink)
 
     def _steps(
         self,
         request: GenerationRequest,
         ids: list[int],
         prompt: Any,
-        decoded: TokenSink | None = None,
+        sink: HandoffSink | None = None,
     ) -> AsyncGenerator[EngineStep, None]:
         options = request.sampling
         params = self._sampling_params(request, len(ids))
@@ -490,13 +493,19 @@ class VllmEngine:
         )
         self._work_arrives()
         if self.lean_outputs and one_plain_sample(options, params.n):
-            handed = hands_over(options, params.n, detokenize=request.detokenize)
-            entry = self.direct_entry
+            fast, entry = self.fast_outputs, self.direct_entry
+            # Handed off only from fast outputs' loop, and only what the rule allows.
+            handed = fast is not None and may_hand_off(
+                options,
+                params.n,
+                detokenize=request.detokenize,
+                engine_interval=self._stream_interval,
+            )
             return lean_steps(
                 self._llm,
                 call,
-                self.fast_outputs,
-                decoded if handed else None,
+                fast,
+                sink if handed else None,
                 entry if entry is not None and entry.admits(call) else None,
             )
         return request_output_steps(self._llm, call, options)

@@ -16,8 +16,10 @@ step of a registered one that carries more than new tokens (its first, its last,
 events, prefill or KV-transfer data, a stop reason) — goes to vLLM's own method
 unchanged. Aborts, finishes, tracing (at the finish), engine death and stop token ids
 (applied in the engine core) therefore stay vLLM's. A step's new tokens go to the
-request's `LeanStream`, which hands them to its consumer's sink while it waits
-(`LeanStream.decode_step`): no task wakes for them.
+request's `LeanStream` (`LeanStream.decode_step`), which hands them off to its consumer's
+sink when the hand-off rule allows (engine/handoff.py): no task wakes for them. Which
+steps may be handed off is the rule's to say, not this loop's: it only sends here the
+steps that carry nothing but new tokens.
 """
 
 from __future__ import annotations

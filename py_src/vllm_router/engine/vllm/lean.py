@@ -21,7 +21,7 @@ import asyncio
 import logging
 from typing import Any
 
-from ..handoff import Handoff, TokenSink
+from ..handoff import Handoff, HandoffSink
 from ..types import EngineStep
 from .params import finish_of
 
@@ -57,10 +57,11 @@ class LeanStream:
         *,
         detokenize: bool,
         prompt_tokens: int,
-        decoded: TokenSink | None = None,
+        sink: HandoffSink | None = None,
     ) -> None:
-        """Takes over `state`; None: vLLM already dropped it (see `absorb`). `decoded`:
-        where plain decode steps are offered while the consumer waits (handoff.py)."""
+        """Takes over `state`; None: vLLM already dropped it (see `absorb`). `sink`: where
+        plain decode steps are handed off, for a request the adapter found may be
+        (handoff.may_hand_off), by the rule of handoff.py."""
         self._request_id = request_id
         self._state = state
         self._prompt_tokens = prompt_tokens
@@ -69,9 +70,7 @@ class LeanStream:
         # engine-wide --stream-interval).
         self._interval: int = max(1, state.stream_interval) if state is not None else 1
         self._detokenizer = state.detokenizer if detokenize and state is not None else None
-        # The adapter passes `decoded` only for requests that hand over (handoff.hands_over);
-        # the engine-wide --stream-interval, which their options do not say, is known here.
-        self._handoff = Handoff(decoded if self._interval == 1 else None)
+        self._handoff = Handoff(sink)
         self._token_ids: list[int] = []
         self._text: list[str] = []
         self._finish: Any = None  # vLLM's FinishReason (or its string form) once finished
@@ -91,11 +90,12 @@ class LeanStream:
         return self._finish is not None
 
     def decode_step(self, new_token_ids: list[int]) -> None:
-        """A plain decode step (fast_outputs.py): offered to the consumer's sink by the
-        hand-off rule (handoff.py), else buffered as any step."""
+        """A plain decode step (fast_outputs.py): handed off to the consumer's sink if the
+        rule allows (handoff.py), else buffered as any step."""
         if self._failed or not self._handoff.offer(
             new_token_ids,
-            started=self._started,
+            first=not self._started,
+            last=False,  # a last step carries its finish: fast_outputs.py leaves it to vLLM
             waiting=self._waiter is not None,
             buffered=bool(self._token_ids),
         ):
