@@ -107,7 +107,8 @@ async def test_killing_the_engine_core_mid_stream(figures) -> None:
 
 # The watchdog's limits here (a tiny model steps in milliseconds): out of rotation at the
 # first, failed at the second. A stop between them ends soon after the first: a core resumed
-# on a loaded machine gets 7 s to step before the second (3 s once was not enough in CI).
+# on a loaded machine gets 7 s to step before the second (3 s once was not enough in a
+# full suite run).
 STALL_TIMEOUT = 4.0
 STALL_EXIT = 12.0
 SHORT_STOP = STALL_TIMEOUT / 4  # only slow: a margin of 3 s for a loaded machine

@@ -315,7 +315,7 @@ def freeze_startup_heap() -> tuple[int, float]:
     validators, the tokenizer, torch's modules; the tiny model's count) that every full
     collection walks again, on the event loop: 300-390 ms in which no stream gets a token,
     three times in 655,000 tokens under load on the 2-core bench machine. Frozen, the full
-    collections of the same load took 9-45 ms (benchmarks/results/stage-budget.md). vLLM's
+    collections of the same load took 9-46 ms (benchmarks/results/stage-budget.md). vLLM's
     own servers freeze the same heap once started. Objects made later are collected as
     before; a frozen object that later ends in a garbage cycle is never freed, and start-up
     objects live as long as the process.
