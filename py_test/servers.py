@@ -8,6 +8,7 @@ import os
 import re
 import signal
 import sys
+from collections.abc import Awaitable, Iterable
 from dataclasses import dataclass, field
 
 from harness import TRANSPORT
@@ -50,6 +51,24 @@ class ServerProcess:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self.process.wait(), timeout)
         self.kill()
+
+
+async def start_together(*starts: Awaitable[ServerProcess]) -> list[ServerProcess]:
+    """Servers started at once (a module's workers: their start-ups overlap on the cores), in
+    the order given. If one fails to start, the others are killed and its error raised."""
+    outcomes = await asyncio.gather(*starts, return_exceptions=True)
+    started = [outcome for outcome in outcomes if isinstance(outcome, ServerProcess)]
+    for outcome in outcomes:
+        if isinstance(outcome, BaseException):
+            for server in started:
+                server.kill()
+            raise outcome
+    return started
+
+
+async def stop_together(started: Iterable[ServerProcess | None]) -> None:
+    """`stop` each of `started` (None: never started) at once: their drains overlap."""
+    await asyncio.gather(*(server.stop() for server in started if server is not None))
 
 
 def command(*args: str, without_vllm: bool = False) -> list[str]:

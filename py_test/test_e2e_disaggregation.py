@@ -132,10 +132,16 @@ async def pd(real: Harness, tmp_path_factory: pytest.TempPathFactory) -> AsyncIt
                 "--health-failure-threshold", "1"]  # fmt: skip
 
     try:
-        # Each one stopped below even when a later one fails to start.
-        for store in (shared, shared, tmp_path_factory.mktemp("kv-elsewhere")):
-            workers.append(Worker(store, model))
-            await workers[-1].start()
+        # Started together (their start-ups overlap on the cores); each one stopped below,
+        # even when another fails to start.
+        workers = [
+            Worker(store, model)
+            for store in (shared, shared, tmp_path_factory.mktemp("kv-elsewhere"))
+        ]
+        started = await asyncio.gather(*(w.start() for w in workers), return_exceptions=True)
+        for failure in started:
+            if isinstance(failure, BaseException):
+                raise failure
         prefill, decode, lonely = workers
         async with (
             routers.smg_router_in_thread(
@@ -153,9 +159,7 @@ async def pd(real: Harness, tmp_path_factory: pytest.TempPathFactory) -> AsyncIt
                    "decode": decode, "lonely": lonely, "shared": shared,
                    "vllm_router_base": vllm_router_base}  # fmt: skip
     finally:
-        for worker in workers:
-            if worker.process is not None:
-                await worker.process.stop()
+        await servers.stop_together(worker.process for worker in workers)
 
 
 def cases(model: str, lead: str = "") -> list[tuple[str, str, dict[str, Any]]]:

@@ -48,10 +48,10 @@ async def test_two_workers_cache_aware_routing_and_failover(figures) -> None:
     model = tiny_model()
     flags = [cli_flags({**BASE_FLAGS, **kv_events_config(free_port())}) for _ in range(2)]
     extra = ["--enable-log-requests", "--shutdown-grace-seconds", "20"]
-    workers = [
-        await servers.start("--model", str(model), "--port", "0", *f, *extra, timeout=300)
-        for f in flags
-    ]
+    workers = await servers.start_together(
+        *(servers.start("--model", str(model), "--port", "0", *f, *extra, timeout=300)
+          for f in flags)
+    )  # fmt: skip
     try:
         async with smg_router_in_thread(
             [w.address for w in workers], model, model.parent / "router-two.log",
@@ -60,8 +60,7 @@ async def test_two_workers_cache_aware_routing_and_failover(figures) -> None:
         ) as base:  # fmt: skip
             await _scenario(base, str(model), workers, figures)
     finally:
-        for worker in workers:
-            await worker.stop()
+        await servers.stop_together(workers)
 
 
 async def _scenario(base: str, model: str, workers: list, figures) -> None:

@@ -35,7 +35,19 @@ DP = 2
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
-async def dp2() -> AsyncIterator[Harness]:
+async def dp_reference(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[routers.Launch]:
+    """vLLM's own --grpc server with two data-parallel ranks, launched before `dp2` starts
+    (their start-ups overlap)."""
+    real_engine.require_vllm()
+    model = real_engine.tiny_model()
+    flags = {**real_engine.BASE_FLAGS, "data_parallel_size": DP}
+    log = tmp_path_factory.mktemp("dp-reference") / "vllm-grpc-dp.log"
+    async with routers.launched(grpc=routers.vllm_grpc_server(model, flags, log)) as launches:
+        yield launches["grpc"]
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def dp2(dp_reference: routers.Launch) -> AsyncIterator[Harness]:
     real_engine.require_vllm()
     model = real_engine.tiny_model()
     kv_events = {
@@ -147,11 +159,10 @@ def _successes_by_engine(harness: Harness) -> dict[str, float]:
 
 
 async def test_the_dp_aware_router_spreads_over_both_ranks_with_vllms_answers(
-    dp2: Harness, tmp_path: Path, figures: Any
+    dp2: Harness, dp_reference: routers.Launch, tmp_path: Path, figures: Any
 ) -> None:
     require(routers.smg_path() is not None, "smg is not installed (make test)")
     model = real_engine.tiny_model()
-    flags = {**real_engine.BASE_FLAGS, "data_parallel_size": DP}
     bodies = [
         {"model": str(model), **routers.chat(f"Question {i}", max_tokens=12, temperature=0)}
         for i in range(16)
@@ -168,14 +179,10 @@ async def test_the_dp_aware_router_spreads_over_both_ranks_with_vllms_answers(
     assert all(answer[0] == 200 for answer in ours), ours
     assert sum(moved.values()) >= len(bodies)
     assert all(moved.get(str(rank), 0.0) >= 1 for rank in range(DP)), moved  # both ranks
-    async with (
-        routers.in_thread(
-            routers.vllm_grpc_server(model, flags, tmp_path / "vllm-grpc-dp.log")
-        ) as worker,
-        routers.in_thread(
-            routers.smg_router([worker], model, tmp_path / "router-dp-ref.log", "--dp-aware")
-        ) as base,
-    ):
+    worker = await dp_reference.ready()
+    async with routers.in_thread(
+        routers.smg_router([worker], model, tmp_path / "router-dp-ref.log", "--dp-aware")
+    ) as base:
         theirs = [await routers.ask(base, routers.CHAT, body, False) for body in bodies]
     assert ours == theirs
     figures(f"--dp-aware router, 16 chats: finished per engine core {moved}; = vLLM --grpc DP=2")

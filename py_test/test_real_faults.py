@@ -18,7 +18,7 @@ from vllm_router.proto import vllm_native_pb2_grpc as npb_grpc
 
 import servers
 from harness import read_rest, request
-from real_engine import cli_flags, require_vllm, tiny_model
+from real_engine import ENGINE_FLAGS, cli_flags, require_vllm, tiny_model
 
 pytestmark = pytest.mark.vllm
 
@@ -49,12 +49,19 @@ async def _health_now(health: health_pb2_grpc.HealthStub) -> object:
         return err.code().name
 
 
+# Streams long enough that none can end before the kill on a slow machine: 240 tokens
+# (the session's context) once all finished in CI between the first token and the kill.
+LONG_CONTEXT = 2048
+LONG_STREAM = LONG_CONTEXT - 8
+
+
 async def test_killing_the_engine_core_mid_stream(figures) -> None:
     require_vllm()
     model = tiny_model()
+    flags = cli_flags({**ENGINE_FLAGS, "max_model_len": LONG_CONTEXT})
     # The health poll is far away: only the death signal itself can flip health in time.
     server = await servers.start(
-        "--model", str(model), "--port", "0", "--health-poll-seconds", "30", *cli_flags(),
+        "--model", str(model), "--port", "0", "--health-poll-seconds", "30", *flags,
         timeout=240,
     )  # fmt: skip
     try:
@@ -63,7 +70,7 @@ async def test_killing_the_engine_core_mid_stream(figures) -> None:
             watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest())
             assert (await watch.read()).status == health_pb2.HealthCheckResponse.SERVING
             streams = [
-                stub.GenerateStream(request([5 + i, 6, 7], max_tokens=240, ignore_eos=True))
+                stub.GenerateStream(request([5 + i, 6, 7], max_tokens=LONG_STREAM, ignore_eos=True))
                 for i in range(16)
             ]
             for stream in streams:
@@ -81,11 +88,11 @@ async def test_killing_the_engine_core_mid_stream(figures) -> None:
                     codes.append(err.code().name)
                     if health_after_first_failure is None:
                         health_after_first_failure = await _health_now(health)
+            ended_after = time.monotonic() - killed
+            assert "UNAVAILABLE" in codes and set(codes) <= {"UNAVAILABLE", "OK"}, codes
             # A stream heard of the death: every health answer already had. (Or the worker
             # already stops, as engine death makes it, and refuses the probe: not SERVING either.)
             assert health_after_first_failure in NOT_SERVING, health_after_first_failure
-            ended_after = time.monotonic() - killed
-            assert "UNAVAILABLE" in codes and set(codes) <= {"UNAVAILABLE", "OK"}, codes
             assert ended_after < 5, ended_after
             statuses = []
             while (message := await asyncio.wait_for(watch.read(), 10)) is not grpc.aio.EOF:

@@ -96,7 +96,23 @@ CASES: list[Case] = [
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
-async def vlm() -> AsyncIterator[Harness]:
+async def vlm_references() -> AsyncIterator[dict[str, routers.Launch]]:
+    """vLLM's own servers on the tiny VLM and `vlm`'s engine flags, launched before our engine
+    starts (their start-ups overlap): its OpenAI server ("http") and its --grpc server
+    ("grpc", its in-process media processor on)."""
+    real_engine.require_vllm()
+    model = real_engine.tiny_vlm()
+    flags = real_engine.VLM_FLAGS
+    env = {"SMG_VLLM_MM_PROCESSOR": "inprocess"}
+    async with routers.launched(
+        http=vllm_openai_server(model, flags, log_name="vllm-vlm-openai.log"),
+        grpc=routers.vllm_grpc_server(model, flags, model.parent / "vllm-vlm-grpc.log", env),
+    ) as launches:
+        yield launches
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def vlm(vlm_references: dict[str, routers.Launch]) -> AsyncIterator[Harness]:
     """Our server on the tiny VLM (one engine for this module)."""
     real_engine.require_vllm()
     model = real_engine.tiny_vlm()
@@ -109,15 +125,9 @@ async def vlm() -> AsyncIterator[Harness]:
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
-async def vlm_http() -> AsyncIterator[str]:
+async def vlm_http(vlm_references: dict[str, routers.Launch]) -> str:
     """vLLM's OpenAI server on the same model and engine flags."""
-    real_engine.require_vllm()
-    async with routers.in_thread(
-        vllm_openai_server(
-            real_engine.tiny_vlm(), real_engine.VLM_FLAGS, log_name="vllm-vlm-openai.log"
-        )
-    ) as base:
-        yield base
+    return await vlm_references["http"].ready()
 
 
 def chat_body(content: list[dict[str, Any]], sampling: dict[str, Any]) -> dict[str, Any]:
@@ -415,17 +425,9 @@ async def test_memory_is_flat_over_many_image_requests(vlm: Harness, figures: An
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
-async def vlm_grpc_reference() -> AsyncIterator[str]:
+async def vlm_grpc_reference(vlm_references: dict[str, routers.Launch]) -> str:
     """vLLM's own --grpc server on the tiny VLM, its in-process media processor on."""
-    real_engine.require_vllm()
-    model = real_engine.tiny_vlm()
-    env = {"SMG_VLLM_MM_PROCESSOR": "inprocess"}
-    async with routers.in_thread(
-        routers.vllm_grpc_server(
-            model, real_engine.VLM_FLAGS, model.parent / "vllm-vlm-grpc.log", env
-        )
-    ) as address:
-        yield address
+    return await vlm_references["grpc"].ready()
 
 
 ROUTER_FLAGS = ("--mm-processing", "worker")

@@ -19,7 +19,17 @@ import pytest_asyncio
 
 from harness import Harness, request
 from real_engine import real_model
-from routers import CHAT, ask, chat, in_thread, smg_router, smg_router_in_thread, vllm_grpc_server
+from routers import (
+    CHAT,
+    Launch,
+    ask,
+    chat,
+    in_thread,
+    launched,
+    smg_router,
+    smg_router_in_thread,
+    vllm_grpc_server,
+)
 from vllm_servers import post, vllm_openai_server
 
 pytestmark = pytest.mark.vllm
@@ -48,24 +58,32 @@ FORCED_TOOL = {"type": "function", "function": {"name": "get_weather"}}
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
-async def trained_vllm_http(trained: Harness) -> AsyncIterator[str]:
-    """vLLM's OpenAI server on the same model and flags as `trained`."""
+async def trained_references(trained: Harness) -> AsyncIterator[dict[str, Launch]]:
+    """vLLM's own servers on the same model and flags as `trained`, launched together (their
+    start-ups overlap): its OpenAI server ("http") and its --grpc server ("grpc")."""
     model, flags = real_model()
-    async with in_thread(
-        vllm_openai_server(Path(model), flags, log_name="vllm-openai-trained.log")
-    ) as base:
-        yield base
+    folder = Path(model)
+    async with launched(
+        http=vllm_openai_server(folder, flags, log_name="vllm-openai-trained.log"),
+        grpc=vllm_grpc_server(folder, flags, folder.parent / "vllm-grpc-trained.log"),
+    ) as launches:
+        yield launches
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
-async def trained_routers(trained: Harness) -> AsyncIterator[tuple[str, str]]:
+async def trained_vllm_http(trained_references: dict[str, Launch]) -> str:
+    """vLLM's OpenAI server on the same model and flags as `trained`."""
+    return await trained_references["http"].ready()
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def trained_routers(
+    trained: Harness, trained_references: dict[str, Launch]
+) -> AsyncIterator[tuple[str, str]]:
     """(router in front of ours, router in front of vLLM's --grpc server), same model."""
-    model, flags = real_model()
-    folder = Path(model)
+    folder = Path(real_model()[0])
+    worker = await trained_references["grpc"].ready()
     async with contextlib.AsyncExitStack() as stack:  # each started in a thread: in_thread
-        worker = await stack.enter_async_context(
-            in_thread(vllm_grpc_server(folder, flags, folder.parent / "vllm-grpc-trained.log"))
-        )
         reference = await stack.enter_async_context(
             in_thread(smg_router([worker], folder, folder.parent / "router-ref-trained.log"))
         )
