@@ -68,12 +68,13 @@ class Worker:
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
 
-    async def start(self) -> None:
+    async def start(self) -> servers.ServerProcess:
         self.process = await servers.start(
             "--model", str(self.model), "--port", str(self.port),
             "--metrics-port", str(self.metrics_port), *connector_flags(self.store),
             "--enable-log-requests", timeout=300, env=ENGINE_ENV,
         )  # fmt: skip
+        return self.process
 
     @property
     def log(self) -> str:
@@ -138,10 +139,7 @@ async def pd(real: Harness, tmp_path_factory: pytest.TempPathFactory) -> AsyncIt
             Worker(store, model)
             for store in (shared, shared, tmp_path_factory.mktemp("kv-elsewhere"))
         ]
-        started = await asyncio.gather(*(w.start() for w in workers), return_exceptions=True)
-        for failure in started:
-            if isinstance(failure, BaseException):
-                raise failure
+        await servers.start_together(*(worker.start() for worker in workers))
         prefill, decode, lonely = workers
         async with (
             routers.smg_router_in_thread(

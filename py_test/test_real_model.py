@@ -58,7 +58,7 @@ FORCED_TOOL = {"type": "function", "function": {"name": "get_weather"}}
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
-async def trained_references(trained: Harness) -> AsyncIterator[dict[str, Launch]]:
+async def trained_references() -> AsyncIterator[dict[str, Launch]]:
     """vLLM's own servers on the same model and flags as `trained`, launched together (their
     start-ups overlap): its OpenAI server ("http") and its --grpc server ("grpc")."""
     model, flags = real_model()

@@ -589,7 +589,6 @@ def _native_half(files: tuple[str, ...], folder: Path) -> subprocess.Popen[bytes
 @pytest.mark.timeout(600)
 def test_the_mock_engine_suite_passes_on_native(figures, tmp_path: Path) -> None:
     _require("native")
-    assert sorted(sum(_NATIVE_HALVES, ())) == sorted(NATIVE_SUITE)
     started = time.monotonic()
     folders = [tmp_path / f"half-{i}" for i in range(len(_NATIVE_HALVES))]
     halves = [_native_half(f, folder) for f, folder in zip(_NATIVE_HALVES, folders, strict=True)]
