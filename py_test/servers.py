@@ -40,9 +40,9 @@ class ServerProcess:
         Not asyncio's `Process.wait`: that returns only once every holder of the server's
         output has closed it too. When a test kills vLLM's engine core, the core's worker
         process (VLLM::Worker, orphaned, still in the server's process group) holds it until
-        it notices its parent is gone: 3 s here, over a minute once in CI, where the server
-        itself had exited 1 in a quarter of a second. What is left of the group once the
-        server has exited is killed after a grace, so the log still ends."""
+        it notices its parent is gone: 3 s here (the server had exited 1 0.24 s after the
+        kill), still at the 60 s limit once in CI. What is left of the group once the server
+        has exited is killed after a grace, so the log still ends."""
         code = await self._exited(timeout)
         if self._pump is not None:
             try:
