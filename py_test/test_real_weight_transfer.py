@@ -221,7 +221,8 @@ async def test_a_request_kept_by_a_pause_runs_on_after_an_update(
     """PauseGeneration(KEEP) across an update, as vLLM's own server does it: the request in
     flight is frozen, one sent meanwhile waits, both finish whole on resume; the one sent
     during the pause runs wholly on the new weights. (vllm-rs asks vLLM 0.33's engine for
-    `pause_generation`, which this vLLM 0.32 engine has not: not compared here.) Each step
+    `pause_generation`, which this vLLM 0.32 engine has not: it answers INTERNAL "…
+    'EngineCoreProc' object has no attribute 'pause_generation'", so not compared here.) Each step
     of the trainer's is a span in the trainer's trace, exported over OTLP (the session's
     `real` worker set the process's exporter up)."""
     harness, _, base = rl_workers
