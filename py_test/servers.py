@@ -55,9 +55,10 @@ class ServerProcess:
     async def _exited(self, timeout: float) -> int:
         """The server's own exit code, as soon as it has one (asyncio.TimeoutError past
         `timeout`)."""
-        deadline = asyncio.get_running_loop().time() + timeout
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
         while (code := self.process.returncode) is None:
-            if asyncio.get_running_loop().time() > deadline:
+            if loop.time() > deadline:
                 raise asyncio.TimeoutError(f"the server was still running after {timeout} s")
             await asyncio.sleep(0.05)
         return code
