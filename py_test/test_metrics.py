@@ -230,3 +230,37 @@ async def test_vllm_series_match_vllm_openai_server(real: Harness, vllm_http: st
     for name, labels in theirs.items():
         if labels and ours[name]:  # an info gauge has no sample until vLLM sets one
             assert ours[name] == labels, name
+
+
+def test_the_loop_series_expose_what_prometheus_clients_own_would() -> None:
+    """The per-token series are plain additions, not prometheus_client's locked series:
+    the same observations must read the same on /metrics (values on a bucket's bound
+    included), only the creation times differ."""
+    from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+
+    from vllm_router.core.metrics import (
+        BETWEEN_MESSAGES_BUCKETS,
+        LoopCounter,
+        LoopHistogram,
+    )
+
+    ours, theirs = CollectorRegistry(), CollectorRegistry()
+    counter = LoopCounter("t:tokens", "doc", registry=ours)
+    histogram = LoopHistogram("t:gap_seconds", "doc", BETWEEN_MESSAGES_BUCKETS, registry=ours)
+    their_counter = Counter("t:tokens", "doc", registry=theirs)
+    their_histogram = Histogram(
+        "t:gap_seconds", "doc", buckets=BETWEEN_MESSAGES_BUCKETS, registry=theirs
+    )
+    values = [0.0, 0.0004, 0.0005, 0.00051, 0.001, 0.003, 1.0, 2.5, 2.6, 600.0]
+    for i, value in enumerate(values):
+        counter.inc(i)
+        their_counter.inc(i)
+        histogram.observe(value)
+        their_histogram.observe(value)
+
+    def exposed(registry: CollectorRegistry) -> list[str]:
+        lines = generate_latest(registry).decode().splitlines()
+        return [line for line in lines if not line.split(" ")[0].endswith("_created")]
+
+    assert exposed(ours) == exposed(theirs)
+    assert 't:gap_seconds_bucket{le="0.0005"} 3.0' in exposed(ours)

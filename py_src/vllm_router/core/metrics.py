@@ -8,11 +8,14 @@ Names are a contract: dashboards and alerts rely on them (docs/operations.md, ex
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import time
+from bisect import bisect_left
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.metrics_core import Metric
+from prometheus_client.metrics_core import CounterMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from ..errors import (
     DuplicateRequest,
@@ -46,6 +49,70 @@ BETWEEN_MESSAGES_BUCKETS = (
 )  # fmt: skip
 
 
+class LoopCounter(Collector):
+    """A counter without labels, counted from the event loop's thread alone.
+
+    For the series a stream updates per token: prometheus_client's own take a lock per
+    update (0.7 µs a counter increment, 1.6 µs a histogram observation, timed in this venv),
+    more than a tenth of what a token costs the whole native path. Here an update is a
+    plain addition (0.07 µs), safe because only the loop's thread writes; the scrape's
+    thread reads under the GIL. Exposed exactly as `prometheus_client.Counter` would be.
+    """
+
+    def __init__(self, name: str, documentation: str, registry: CollectorRegistry) -> None:
+        self._name, self._documentation = name, documentation
+        self._created = time.time()
+        self.value = 0
+        registry.register(self)
+
+    def inc(self, amount: int = 1) -> None:
+        self.value += amount
+
+    def collect(self) -> Iterator[Metric]:
+        yield CounterMetricFamily(
+            self._name, self._documentation, value=self.value, created=self._created
+        )
+
+
+class LoopHistogram(Collector):
+    """A histogram without labels, observed from the event loop's thread alone (see
+    `LoopCounter` for why): an observation is a bisection and two additions (0.2 µs).
+    Exposed exactly as `prometheus_client.Histogram` would be; its count is the sum of
+    its buckets, so a scrape never sees them disagree."""
+
+    def __init__(
+        self,
+        name: str,
+        documentation: str,
+        buckets: Sequence[float],
+        registry: CollectorRegistry,
+    ) -> None:
+        self._name, self._documentation = name, documentation
+        self._created = time.time()
+        self._bounds = tuple(buckets)
+        # A value lands in the first bucket whose bound it does not exceed (`le`); the
+        # last slot is +Inf.
+        self._counts = [0] * (len(self._bounds) + 1)
+        self._sum = 0.0
+        registry.register(self)
+
+    def observe(self, value: float) -> None:
+        self._counts[bisect_left(self._bounds, value)] += 1
+        self._sum += value
+
+    def collect(self) -> Iterator[Metric]:
+        counts = list(self._counts)
+        cumulative, buckets = 0, []
+        for bound, count in zip((*self._bounds, float("inf")), counts, strict=True):
+            cumulative += count
+            buckets.append((floatToGoString(bound), float(cumulative)))
+        family = HistogramMetricFamily(
+            self._name, self._documentation, buckets=buckets, sum_value=self._sum
+        )
+        family.add_sample(self._name + "_created", {}, self._created)
+        yield family
+
+
 class ServicerMetrics:
     """Every `vllm_servicer:*` series of one server."""
 
@@ -65,10 +132,11 @@ class ServicerMetrics:
         self.in_flight = Gauge(
             name("requests_in_flight"), "Generation and embedding requests in flight", registry=r
         )
-        self.prompt_tokens = Counter(
+        # Updated per request or per token: LoopCounter / LoopHistogram (see there why).
+        self.prompt_tokens = LoopCounter(
             name("prompt_tokens"), "Prompt tokens of admitted requests", registry=r
         )
-        self.generated_tokens = Counter(
+        self.generated_tokens = LoopCounter(
             name("generated_tokens"), "Tokens generated (every sample)", registry=r
         )
         self.finish_reason = Counter(
@@ -83,19 +151,19 @@ class ServicerMetrics:
             ["cause"],
             registry=r,
         )
-        self.request_duration = Histogram(
+        self.request_duration = LoopHistogram(
             name("request_duration_seconds"),
             "Admission to the end of a generation request",
             buckets=DURATION_BUCKETS,
             registry=r,
         )
-        self.time_to_first_message = Histogram(
+        self.time_to_first_message = LoopHistogram(
             name("time_to_first_message_seconds"),
             "Admission to the first response message (the whole response for unary RPCs)",
             buckets=FIRST_MESSAGE_BUCKETS,
             registry=r,
         )
-        self.time_between_messages = Histogram(
+        self.time_between_messages = LoopHistogram(
             name("time_between_messages_seconds"),
             "Between consecutive messages of one stream",
             buckets=BETWEEN_MESSAGES_BUCKETS,
