@@ -15,9 +15,11 @@ import re
 import subprocess
 import sys
 import time
+import types
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -150,6 +152,66 @@ def test_native_without_the_send_path_it_replaces_is_refused(
     message = _refusal(ServerConfig(port=0, transport="native"))
     assert "Server._send" in message and "STREAM_FULL" in message
     assert "NativeGrpcFront.metrics" in message and "stream_try_send" not in message
+
+
+def test_native_without_what_a_direct_send_reads_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _require("native")
+    import pygrpc_native.aio
+
+    class Call:  # a release whose call no longer keeps its handler
+        def __init__(self, call_id: int) -> None:
+            self.call_id = call_id
+            self.task = None
+
+    monkeypatch.setattr(pygrpc_native.aio, "_Call", Call)
+    message = _refusal(ServerConfig(port=0, transport="native"))
+    assert "_Call.handler" in message and "_Call.call_id" not in message
+
+
+def test_a_direct_send_takes_what_upstreams_send_takes_and_fails_what_it_fails() -> None:
+    """`direct_send_for` looks up once what upstream's encoder looks up per message; what
+    is not plain bytes under the send limit goes upstream's way, which fails the call."""
+    _require("native")
+    import pygrpc_native
+
+    from vllm_router.server.transport import _native_module, _polling_send_server
+
+    server_class = _polling_send_server(_native_module())
+    server: Any = object.__new__(server_class)
+    sent: list[tuple[int, bytes]] = []
+    replies = [pygrpc_native.STREAM_SENT, pygrpc_native.aio.STREAM_FULL]
+
+    class Front:
+        def stream_try_send(self, call_id: int, data: bytes) -> int:
+            sent.append((call_id, data))
+            return replies.pop(0)
+
+    failed: list[str] = []
+    server._front, server._send_limit = Front(), 8
+    server._failed = lambda call, context, exc: failed.append(f"{type(exc).__name__}: {exc}")
+    server._within_send_limit = lambda call, data: (
+        None if len(data) > 8 else data  # upstream fails the call and sends nothing
+    )
+
+    unencodable = object()
+
+    def serialize(message: Any) -> Any:
+        if message is unencodable:
+            raise ValueError("cannot encode")
+        return message
+
+    handler = grpc.unary_stream_rpc_method_handler(None, response_serializer=serialize)
+    call, context = types.SimpleNamespace(call_id=7, handler=handler), types.SimpleNamespace()
+    context._closed = False
+    send = server.direct_send_for(call, context)
+    assert send(b"one") is True and send(b"two") is False  # taken; the client's window full
+    assert sent == [(7, b"one"), (7, b"two")]
+    assert send(b"far too long") is False and send(unencodable) is False
+    assert sent == [(7, b"one"), (7, b"two")] and failed == ["ValueError: cannot encode"]
+    context._closed = True
+    assert send(b"late") is False and len(sent) == 2
 
 
 def test_an_option_native_refuses_is_a_startup_error(monkeypatch: pytest.MonkeyPatch) -> None:

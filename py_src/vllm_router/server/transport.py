@@ -30,8 +30,10 @@ stream's plain decode steps, handed off from the engine's output loop (engine/ha
 core/flight.py), through `stream_try_send`, which never waits: a message the client's
 window cannot take is refused and goes the awaited way above, merged with the steps after
 it. Which steps are handed off is the hand-off rule's; the transport only takes or refuses.
-The same release-pinned touch points (the context's server and call, the server's encoder)
-are checked with the rest.
+A stream's direct send looks up once what upstream's encoder looks up per message (the
+call's serializer and id, the server's send limit): it runs once per token. The same
+release-pinned touch points (the context's server and call, the call's handler and id, the
+server's encoder and send limit) are checked with the rest.
 
 A second upstream bug: `aio.Server.stop` closes the front as soon as the handlers have
 returned, and `NativeGrpcFront.close` drops what its I/O threads have not written yet; a
@@ -231,9 +233,12 @@ def _missing_touch_points(package: ModuleType, aio: ModuleType) -> list[str]:
     for name in ("_front_args", "_front", "_calls", "_stopping"):
         if name not in getattr(server_init, "co_names", ()):
             missing.append(f"Server.{name}")
+    if "_send_limit" not in getattr(server_init, "co_names", ()):  # read by direct_send_for
+        missing.append("Server._send_limit")
     call_init = getattr(getattr(getattr(aio, "_Call", None), "__init__", None), "__code__", None)
-    if "task" not in getattr(call_init, "co_names", ()):
-        missing.append("_Call.task")
+    for name in ("task", "call_id", "handler"):
+        if name not in getattr(call_init, "co_names", ()):
+            missing.append(f"_Call.{name}")
     for name in ("STREAM_FULL", "STREAM_CLOSED"):
         if not isinstance(getattr(aio, name, None), int):
             missing.append(name)
@@ -290,7 +295,7 @@ def _polling_send_server(aio: ModuleType) -> type[grpc.aio.Server]:
             return max(0, started - finished - running)
 
         def direct_send(self, call: Any, context: Any, response: Any) -> bool:
-            """A stream's direct send (`direct_sender`): True if the transport took
+            """A stream's direct send, the general way: True if the transport took
             `response` at once; False if the client's window is full or the stream has ended
             (or the message could not be encoded, which fails the call itself)."""
             if context._closed:
@@ -299,6 +304,32 @@ def _polling_send_server(aio: ModuleType) -> type[grpc.aio.Server]:
             return data is not None and bool(
                 self._front.stream_try_send(call.call_id, data) == sent_now
             )
+
+        def direct_send_for(self, call: Any, context: Any) -> Callable[[Any], bool]:
+            """A stream's direct send (`direct_sender`), what `direct_send` does with what
+            it looks up per message looked up once: it runs once per token, and upstream's
+            encoder is three calls deep (0.61 -> 0.28 µs a message, in-process). A message
+            that is not plain bytes under the send limit, or whose encoding raises, goes
+            `direct_send`'s way, which fails the call as upstream does."""
+            serializer = call.handler.response_serializer
+            if serializer is None:
+                return functools.partial(self.direct_send, call, context)
+            limit = self._send_limit if self._send_limit is not None else float("inf")
+            try_send, call_id = self._front.stream_try_send, call.call_id
+            general = self.direct_send
+
+            def send(response: Any) -> bool:
+                if context._closed:
+                    return False
+                try:
+                    data = serializer(response)
+                except Exception:
+                    return general(call, context, response)
+                if type(data) is not bytes or len(data) > limit:
+                    return general(call, context, response)
+                return bool(try_send(call_id, data) == sent_now)
+
+            return send
 
         async def _send(self, call: Any, context: Any, response: Any) -> bool:
             data = self._encode(call, context, response)
@@ -338,7 +369,7 @@ def direct_sender(
         if type(context) is not context_class:  # e.g. a reflection call on the fallback
             return None
         native: Any = context
-        return DirectSend(functools.partial(native._server.direct_send, native._call, native))
+        return DirectSend(native._server.direct_send_for(native._call, native))
 
     return direct_send
 
