@@ -283,15 +283,17 @@ def render_stages(engine: Any, number: int) -> dict[str, float]:
         cached_tokens=0,
     )  # fmt: skip
     wanted = native.Wanted.of(npb.ResponseOptions())
-    native_decode = native.decode_output(wanted)
+    native_decode = native.decode_outputs(wanted)
+    official_decode = official.decode_chunks()
+    ours_decode = ours.decode_messages("r")
     # The step renderer (a task's send) and the decode renderer (a direct send) of each.
     renders = {
         "native": lambda: native.sequence_output(step, wanted, frozenset()),
         "native (decode renderer)": lambda: native_decode([7], step, 9),
         "vllm.grpc.engine": lambda: official.chunk(step, 0, None, 0),
-        "vllm.grpc.engine (decode renderer)": lambda: official.decode_chunk([7], step, 9),
+        "vllm.grpc.engine (decode renderer)": lambda: official_decode([7], step, 9),
         "vllm.engine.v1": lambda: ours.stream_message("r", step, None),
-        "vllm.engine.v1 (decode renderer)": lambda: ours.decode_message("r", [7], step, 9),
+        "vllm.engine.v1 (decode renderer)": lambda: ours_decode([7], step, 9),
     }
     out: dict[str, float] = {}
     for name, render in renders.items():

@@ -1,5 +1,7 @@
 """Every contract's prebuilt decode renderer (what a direct send renders, core/flight.py)
-makes the message its step renderer makes of the same plain decode step, byte for byte."""
+makes the message its step renderer makes of the same plain decode step, byte for byte:
+a stream's renderer renders one message again for every step, so each step in a row must
+read as its own (nothing left of the step before, more tokens or fewer)."""
 
 from __future__ import annotations
 
@@ -31,25 +33,35 @@ def plain(token_ids: list[int], last: EngineStep, completion_tokens: int) -> Eng
     )  # fmt: skip
 
 
-@pytest.mark.parametrize("decode", DECODES)
-def test_vllm_engine_v1(decode: tuple[list[int], EngineStep, int]) -> None:
-    made = v1.decode_message("req-1", *decode)
-    assert made == v1.stream_message("req-1", plain(*decode), None)
-    assert made.usage.completion_tokens == decode[2] and list(made.token_ids) == decode[0]
+# Steps in a row on one stream's renderer: more tokens, then fewer, then another sample.
+IN_A_ROW = [DECODES[1], DECODES[0], DECODES[2], DECODES[1], DECODES[0]]
 
 
-@pytest.mark.parametrize("decode", DECODES)
-def test_vllm_grpc_engine(decode: tuple[list[int], EngineStep, int]) -> None:
-    made = official.decode_chunk(*decode)
-    assert made == official.chunk(plain(*decode), 0, None, 0)
-    assert made.chunk.completion_tokens == len(decode[0])
+def test_vllm_engine_v1() -> None:
+    render = v1.decode_messages("req-1")
+    for decode in IN_A_ROW:
+        made = render(*decode)
+        expected = v1.stream_message("req-1", plain(*decode), None)
+        assert made.SerializeToString() == expected.SerializeToString() and made == expected
+        assert made.usage.completion_tokens == decode[2] and list(made.token_ids) == decode[0]
+
+
+def test_vllm_grpc_engine() -> None:
+    render = official.decode_chunks()
+    for decode in IN_A_ROW:
+        made = render(*decode)
+        expected = official.chunk(plain(*decode), 0, None, 0)
+        assert made.SerializeToString() == expected.SerializeToString() and made == expected
+        assert made.chunk.completion_tokens == len(decode[0])
 
 
 @pytest.mark.parametrize("flags", list(itertools.product((False, True), repeat=5)))
-@pytest.mark.parametrize("decode", DECODES)
-def test_vllm_native(flags: tuple[bool, ...], decode: tuple[list[int], EngineStep, int]) -> None:
+def test_vllm_native(flags: tuple[bool, ...]) -> None:
     wanted = native.Wanted(*flags)
-    made = native.decode_output(wanted)(*decode)
-    assert made == native.sequence_output(plain(*decode), wanted, frozenset({2}))
-    assert made.outputs.num_tokens == len(decode[0])
-    assert list(made.outputs.token_ids) == (decode[0] if wanted.token_ids else [])
+    render = native.decode_outputs(wanted)
+    for decode in IN_A_ROW:
+        made = render(*decode)
+        expected = native.sequence_output(plain(*decode), wanted, frozenset({2}))
+        assert made.SerializeToString() == expected.SerializeToString() and made == expected
+        assert made.outputs.num_tokens == len(decode[0])
+        assert list(made.outputs.token_ids) == (decode[0] if wanted.token_ids else [])

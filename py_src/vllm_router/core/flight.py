@@ -52,6 +52,9 @@ class DirectSend:
 # into the stream's message: the same message its step renderer makes of that step, built
 # without an EngineStep. Called with the new token ids, the step rendered before it (prompt
 # and cached token counts, sample index) and the request's completion tokens with them.
+# One per stream, and it may return the same message object every call, rendered again
+# (building a message per token cost 1.7 µs, rendering one again 0.4, encode included):
+# whoever calls it encodes the message before calling it again, as a direct send does.
 DecodeRenderer = Callable[[list[int], EngineStep, int], Any]
 
 

@@ -9,6 +9,7 @@ import grpc
 
 from ...core.accumulate import RequestResult, SampleResult
 from ...core.batching import Message
+from ...core.flight import DecodeRenderer
 from ...core.media_admission import url_schemes
 from ...engine import (
     Embedding,
@@ -97,17 +98,23 @@ def stream_message(
     return message
 
 
-def decode_message(
-    request_id: str, token_ids: list[int], last: EngineStep, completion_tokens: int
-) -> pb.GenerateStreamResponse:
-    """`stream_message` of a plain decode step (core/flight.py's DecodeRenderer)."""
-    message = pb.GenerateStreamResponse(request_id=request_id, token_ids=token_ids,
-                                        index=last.index)  # fmt: skip
-    usage = message.usage
-    usage.prompt_tokens = last.prompt_tokens
-    usage.completion_tokens = completion_tokens
-    usage.cached_tokens = last.cached_tokens
-    return message
+def decode_messages(request_id: str) -> DecodeRenderer:
+    """One stream's `stream_message` of a plain decode step (core/flight.py's
+    DecodeRenderer): one message, rendered again for every step."""
+    message = pb.GenerateStreamResponse(request_id=request_id)
+    token_ids, usage = message.token_ids, message.usage
+
+    def render(
+        ids: list[int], last: EngineStep, completion_tokens: int
+    ) -> pb.GenerateStreamResponse:
+        token_ids[:] = ids
+        message.index = last.index
+        usage.prompt_tokens = last.prompt_tokens
+        usage.completion_tokens = completion_tokens
+        usage.cached_tokens = last.cached_tokens
+        return message
+
+    return render
 
 
 def batch_message(

@@ -53,11 +53,7 @@ class VllmEngineServicer(ContractServicer, pb_grpc.VllmEngineServicer):
             first = False
             return (message,)
 
-        def decode(
-            token_ids: list[int], last: EngineStep, completion_tokens: int
-        ) -> pb.GenerateStreamResponse:
-            return responses.decode_message(request_id, token_ids, last, completion_tokens)
-
+        decode = responses.decode_messages(request_id)
         async with self._requests.run(generation, handoff=self._direct_send(context)) as flight:
             async for message in flight.messages(render, decode):
                 yield message

@@ -18,6 +18,7 @@ from typing import Any
 from smg_grpc_proto.generated import common_pb2
 from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 
+from ...core.flight import DecodeRenderer
 from ...core.media_admission import url_schemes
 from ...engine import (
     EngineStep,
@@ -90,20 +91,24 @@ def chunk(
     )
 
 
-def decode_chunk(
-    token_ids: list[int], last: EngineStep, completion_tokens: int
-) -> vpb.GenerateResponse:
-    """`chunk` of a plain decode step (core/flight.py's DecodeRenderer); completion_tokens
-    counts the chunk's own tokens, as every chunk's does."""
-    return vpb.GenerateResponse(
-        chunk=vpb.GenerateStreamChunk(
-            token_ids=token_ids,
-            prompt_tokens=last.prompt_tokens,
-            completion_tokens=len(token_ids),
-            cached_tokens=last.cached_tokens,
-            index=last.index,
-        )
-    )
+def decode_chunks() -> DecodeRenderer:
+    """One stream's `chunk` of a plain decode step (core/flight.py's DecodeRenderer): one
+    message, rendered again for every step; completion_tokens counts the chunk's own
+    tokens, as every chunk's does."""
+    response = vpb.GenerateResponse()
+    chunk = response.chunk
+    chunk.SetInParent()
+    token_ids = chunk.token_ids
+
+    def render(ids: list[int], last: EngineStep, completion_tokens: int) -> vpb.GenerateResponse:
+        token_ids[:] = ids
+        chunk.prompt_tokens = last.prompt_tokens
+        chunk.completion_tokens = len(ids)
+        chunk.cached_tokens = last.cached_tokens
+        chunk.index = last.index
+        return response
+
+    return render
 
 
 def complete(

@@ -42,7 +42,7 @@ class VllmGrpcServicer(ContractServicer, vpb_grpc.VllmEngineServicer):
         async with self._requests.run(generation, handoff=direct_send) as flight:
             if request.stream:
                 render = self._stream_renderer(*tops)
-                async for message in flight.messages(render, responses.decode_chunk):
+                async for message in flight.messages(render, responses.decode_chunks()):
                     yield message
                 return
             result = RequestResult()

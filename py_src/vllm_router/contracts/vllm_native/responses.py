@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from google.protobuf import json_format, struct_pb2
 
 from ...core.accumulate import RequestResult
+from ...core.flight import DecodeRenderer
 from ...engine import EngineStep, KvEventSource, LoraAdapter, ModelFacts, TokenLogprob
 from ...errors import RequestFailed
 from ...proto import vllm_native_pb2 as npb
@@ -121,18 +122,22 @@ def sequence_output(
     return npb.GenerateResponse(outputs=output)
 
 
-def decode_output(wanted: Wanted) -> Callable[[list[int], EngineStep, int], npb.GenerateResponse]:
-    """`sequence_output` of a plain decode step, for one stream's `wanted` (core/flight.py's
-    DecodeRenderer): a plain step has no text, no scores and no finish."""
+def decode_outputs(wanted: Wanted) -> DecodeRenderer:
+    """One stream's `sequence_output` of a plain decode step, for its `wanted`
+    (core/flight.py's DecodeRenderer): one message, rendered again for every step. A plain
+    step has no text, no scores and no finish."""
     with_ids = wanted.token_ids
+    response = npb.GenerateResponse()
+    output = response.outputs
+    output.SetInParent()
+    token_ids = output.token_ids
 
-    def render(
-        token_ids: list[int], last: EngineStep, completion_tokens: int
-    ) -> npb.GenerateResponse:
-        output = npb.SequenceOutput(index=last.index, num_tokens=len(token_ids))
+    def render(ids: list[int], last: EngineStep, completion_tokens: int) -> npb.GenerateResponse:
+        output.index = last.index
+        output.num_tokens = len(ids)
         if with_ids:
-            output.token_ids.extend(token_ids)
-        return npb.GenerateResponse(outputs=output)
+            token_ids[:] = ids
+        return response
 
     return render
 
