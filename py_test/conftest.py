@@ -115,6 +115,7 @@ def direct_count(monkeypatch: pytest.MonkeyPatch) -> DirectCount:
         else:
             count.refused += 1
             count.refused_once_sending += count.sent > 0
+            count.unrendered += self._last_step is None or self._decode is None
         return taken
 
     monkeypatch.setattr(Flight, "_hand_off", counted)

@@ -109,6 +109,9 @@ class DirectCount:
         self.sent = 0
         self.refused = 0
         self.refused_once_sending = 0
+        # Refused with nothing to render the step with (the flight had not rendered the
+        # request's first step): the hand-off rule's fault, never the transport's.
+        self.unrendered = 0
 
 
 # The start_mock fixture's factory: (ServerConfig | None, **MockConfig fields) -> Harness.

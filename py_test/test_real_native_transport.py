@@ -196,11 +196,15 @@ async def test_every_contract_answers_on_native_as_on_grpcio(
     # Never more than those; how many of them is timing (a step that arrives before the task
     # is back waiting goes through the task, more often on a slower machine): reported.
     assert 0 < direct_count.sent <= plain, (direct_count.sent, plain)
-    assert direct_count.refused == 0
+    # A step is offered only once its flight can render it. The transport may still refuse
+    # one (seen once in ~900 full-suite tests on a loaded 2-core machine, never alone): the
+    # task then sends it, which the identical answers above prove.
+    assert direct_count.unrendered == 0
     await wait_until(lambda: real_engine_idle(real), 10.0, "the engine to be idle")
     figures(
         f"{len(on_grpcio)} streams identical on native and grpcio; {direct_count.sent} of the "
-        f"{plain} plain decode steps sent direct"
+        f"{plain} plain decode steps sent direct, {direct_count.refused} refused by the "
+        "transport"
     )
 
 
