@@ -228,13 +228,12 @@ def _missing_touch_points(package: ModuleType, aio: ModuleType) -> list[str]:
     for name in ("stream_try_send", "metrics"):
         if not callable(getattr(front, name, None)):
             missing.append(f"NativeGrpcFront.{name}")
-    # What the override's stop reads and sets: stored by Server.__init__, and the call's task.
+    # What the override's stop and direct_send_for read or set, stored by Server.__init__
+    # (its calls and front, the send limit), and by _Call.__init__ (task, id, handler).
     server_init = getattr(getattr(server, "__init__", None), "__code__", None)
-    for name in ("_front_args", "_front", "_calls", "_stopping"):
+    for name in ("_front_args", "_front", "_calls", "_stopping", "_send_limit"):
         if name not in getattr(server_init, "co_names", ()):
             missing.append(f"Server.{name}")
-    if "_send_limit" not in getattr(server_init, "co_names", ()):  # read by direct_send_for
-        missing.append("Server._send_limit")
     call_init = getattr(getattr(getattr(aio, "_Call", None), "__init__", None), "__code__", None)
     for name in ("task", "call_id", "handler"):
         if name not in getattr(call_init, "co_names", ()):
