@@ -57,7 +57,7 @@ def _message() -> bytes:
     return npb.GenerateResponse(outputs=output).SerializeToString()
 
 
-async def _serve(mode: str, port: int, args: argparse.Namespace) -> dict[str, Any]:
+async def _serve(mode: str, args: argparse.Namespace) -> dict[str, Any]:
     import grpc
 
     data = _message()
@@ -96,7 +96,7 @@ async def _serve(mode: str, port: int, args: argparse.Namespace) -> dict[str, An
         server = grpc.aio.server()
     # Registered, not generic: pygrpc-native serves only registered methods in Rust.
     server.add_registered_method_handlers("vllm.Inference", {"GenerateStream": method})
-    server.add_insecure_port(f"127.0.0.1:{port}")
+    port = server.add_insecure_port("127.0.0.1:0")  # a free port, as the server picks it
     await server.start()
     client = await asyncio.create_subprocess_exec(
         sys.executable, __file__, "--client", str(port), "--streams", str(args.streams)
@@ -180,7 +180,6 @@ def main() -> None:
     parser.add_argument("--step-ms", type=float, default=4.0)
     parser.add_argument("--io-threads", type=int, default=2, help="pygrpc-native's io_threads")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--port", type=int, default=50197)
     parser.add_argument("--client", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -188,7 +187,7 @@ def main() -> None:
         _client(args.client, args.streams)
         return
     if args.one:
-        print(json.dumps(asyncio.run(_serve(args.one, args.port, args))), flush=True)
+        print(json.dumps(asyncio.run(_serve(args.one, args))), flush=True)
         return
     modes = args.modes.split(",")
     results: dict[str, list[dict[str, Any]]] = {mode: [] for mode in modes}
