@@ -15,11 +15,15 @@ from typing import Any
 import pytest
 from google.protobuf import struct_pb2
 from google.protobuf.descriptor import FieldDescriptor
+from google.protobuf.message import Message
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 
 from vllm_router.contracts.vllm_engine_v1 import convert
 from vllm_router.contracts.vllm_grpc_engine import convert as official_convert
 from vllm_router.contracts.vllm_native import convert as native_convert
+from vllm_router.core import sampling
 from vllm_router.engine import GenerationRequest, ModelFacts, SamplingOptions, StructuredOutputs
 from vllm_router.errors import ServicerError
 from vllm_router.proto import vllm_engine_pb2 as pb
@@ -153,6 +157,84 @@ def test_native_sampling_as_vllm_rs_reads_it() -> None:
     assert unset == SamplingOptions(
         temperature=0.0, n=1, min_tokens=0, include_stop_str_in_output=False, ignore_eos=False
     )
+
+
+# Each contract's table, and the message its conversion hands it.
+TABLES = {
+    "vllm.engine.v1": (convert.SAMPLING, pb.SamplingParams),
+    "vllm.grpc.engine": (official_convert.SAMPLING, vpb.SamplingParams),
+    "vllm native": (native_convert.SAMPLING, npb.GenerateRequest),
+}
+_SCALARS: dict[int, st.SearchStrategy[Any]] = {
+    FieldDescriptor.CPPTYPE_FLOAT: st.sampled_from([0.0, -0.0, 0.25, 1.0, 2.5]),
+    FieldDescriptor.CPPTYPE_DOUBLE: st.sampled_from([0.0, -0.0, 0.25, 1.0, 2.5]),
+    FieldDescriptor.CPPTYPE_INT32: st.integers(-2, 5),
+    FieldDescriptor.CPPTYPE_INT64: st.sampled_from([-1, 0, 3, 2**40]),
+    FieldDescriptor.CPPTYPE_UINT32: st.sampled_from([0, 1, 7, 2**32 - 1]),
+    FieldDescriptor.CPPTYPE_UINT64: st.sampled_from([0, 1, 2**40]),
+    FieldDescriptor.CPPTYPE_BOOL: st.booleans(),
+    FieldDescriptor.CPPTYPE_STRING: st.text(max_size=3),
+}
+
+
+def _read_field_by_field(table: sampling.SamplingTable, params: Message) -> SamplingOptions:
+    """The table's rule as core/sampling.py states it, one field at a time (getattr and
+    HasField for every field), which `read` must match while it converts only set ones."""
+    values: dict[str, Any] = {}
+    for name, part, proto_name, kind in table._fields:
+        message = getattr(params, part) if part else params
+        value: Any = getattr(message, proto_name)
+        if kind == sampling._REPEATED:
+            value = tuple(value)
+        elif kind == sampling._MAP:
+            value = dict(value) or None
+        elif kind == sampling._PRESENCE and not message.HasField(proto_name):
+            value = None
+        if name in table._fallbacks and (value is None or (kind == sampling._PLAIN and not value)):
+            value = table._fallbacks[name]
+        values[name] = value
+    for name, special in table._special.items():
+        values[name] = special(params)
+    return SamplingOptions(**values)
+
+
+@settings(max_examples=300, deadline=None)
+@given(contract=st.sampled_from(sorted(TABLES)), data=st.data())
+def test_sampling_read_of_set_fields_matches_the_field_by_field_rule(
+    contract: str, data: st.DataObject
+) -> None:
+    """Any subset of a contract's sampling fields set, to zeros (-0.0 too), ordinary or
+    extreme values: the table's read, which converts only the fields a message sets, gives
+    what reading every field by the rule gives (fallbacks for unset and zero fields, None
+    for unset fields with presence, tuples, maps or None)."""
+    table, message_class = TABLES[contract]
+    params = message_class()
+    for _, part, proto_name, _ in table._fields:
+        message = getattr(params, part) if part else params
+        field = message.DESCRIPTOR.fields_by_name[proto_name]
+        if not data.draw(st.booleans()):
+            continue
+        if field.message_type is not None and field.message_type.GetOptions().map_entry:
+            key, value = (
+                field.message_type.fields_by_name["key"],
+                field.message_type.fields_by_name["value"],
+            )
+            entries = st.dictionaries(_SCALARS[key.cpp_type], _SCALARS[value.cpp_type], max_size=3)
+            getattr(message, proto_name).update(data.draw(entries))
+        elif field.is_repeated:
+            getattr(message, proto_name).extend(
+                data.draw(st.lists(_SCALARS[field.cpp_type], max_size=3))
+            )
+        else:
+            setattr(message, proto_name, data.draw(_SCALARS[field.cpp_type]))
+    try:
+        expected: Any = _read_field_by_field(table, params)
+    except ServicerError as exc:  # a special converter refuses: read must refuse the same
+        with pytest.raises(type(exc)) as refused:
+            table.read(params)
+        assert str(refused.value) == str(exc)
+        return
+    assert table.read(params) == expected
 
 
 def test_the_vllm_adapter_passes_every_sampling_field_to_vllm() -> None:

@@ -19,6 +19,7 @@ from typing import Any
 
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.message import Message
+from google.protobuf.message_factory import GetMessageClass
 
 from ..engine import SamplingOptions
 
@@ -77,6 +78,19 @@ class SamplingTable:
             elif option in names:
                 raise ValueError(f"names {option} as {proto_name}, which no part has")
         self._fields = tuple(fields)
+        # `read` converts only the fields a message sets (ListFields: one C call a message,
+        # not a getattr and HasField per field): each field by its descriptor, and every
+        # other option takes the value an unset field converts to, worked out here once.
+        self._parts = tuple(p for p in messages if p)
+        self._by_field: dict[FieldDescriptor, tuple[str, int]] = {}
+        self._unset: dict[str, Any] = {}
+        empty = GetMessageClass(descriptor)()
+        for option, part, proto_name, kind in fields:
+            self._by_field[messages[part].fields_by_name[proto_name]] = (option, kind)
+            unset_message = getattr(empty, part) if part else empty
+            self._unset[option] = self._value(
+                option, kind, getattr(unset_message, proto_name), present=False
+            )
         # Proto fields this table reads, itself or through a same-named special converter.
         self.covered = frozenset(_qualified(part, name) for _, part, name, _ in fields) | {
             _qualified(p, name)
@@ -84,20 +98,28 @@ class SamplingTable:
             for name in self._special.keys() & m.fields_by_name.keys()
         }
 
+    def _value(self, name: str, kind: int, value: Any, *, present: bool) -> Any:
+        """One field's option value: `value` as the message holds it; `present`: whether
+        the message sets it (a field with presence that is unset reads as None)."""
+        if kind == _REPEATED:
+            value = tuple(value)
+        elif kind == _MAP:
+            value = dict(value) or None
+        elif kind == _PRESENCE and not present:
+            value = None
+        if name in self._fallbacks and (value is None or (kind == _PLAIN and not value)):
+            value = self._fallbacks[name]
+        return value
+
     def read(self, params: Message) -> SamplingOptions:
-        values: dict[str, Any] = {}
-        for name, part, proto_name, kind in self._fields:
-            message = getattr(params, part) if part else params
-            value: Any = getattr(message, proto_name)
-            if kind == _REPEATED:
-                value = tuple(value)
-            elif kind == _MAP:
-                value = dict(value) or None
-            elif kind == _PRESENCE and not message.HasField(proto_name):
-                value = None
-            if name in self._fallbacks and (value is None or (kind == _PLAIN and not value)):
-                value = self._fallbacks[name]
-            values[name] = value
+        values = dict(self._unset)
+        by_field = self._by_field
+        for message in (params, *(getattr(params, part) for part in self._parts)):
+            for field, value in message.ListFields():
+                known = by_field.get(field)
+                if known is not None:
+                    name, kind = known
+                    values[name] = self._value(name, kind, value, present=True)
         for name, convert in self._special.items():
             values[name] = convert(params)
         return SamplingOptions(**values)
