@@ -181,7 +181,10 @@ def _fuzz(address: str) -> dict[str, int]:
 
 @pytest.mark.timeout(1800)
 async def test_fuzzed_requests_never_break_the_server(start_mock: StartServer, figures) -> None:
-    mock = await start_mock(image_token_id=IMAGE_TOKEN, max_images=2)
+    # A context of 512, not the mock's 4096: a fuzzed request without max_tokens and with
+    # n=10 then streams ~5,000 tokens, not ~41,000, which on a loaded 2-core host could
+    # outlast the 10 s deadline a hang is caught by (seen once in a full suite).
+    mock = await start_mock(image_token_id=IMAGE_TOKEN, max_images=2, max_model_len=512)
     seen = await asyncio.to_thread(_fuzz, mock.address)
     figures(f"{2 * EXAMPLES} fuzzed requests and byte strings; status codes seen: {seen}")
     health = await mock.stub.HealthCheck(pb.HealthCheckRequest())
