@@ -22,7 +22,6 @@ import argparse
 import asyncio
 import importlib
 import json
-import multiprocessing
 import os
 import statistics
 import subprocess
@@ -210,5 +209,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    multiprocessing.set_start_method("spawn")
     main()
