@@ -5,6 +5,7 @@ the real engine and against vllm-rs: test_real_weight_transfer.py."""
 from __future__ import annotations
 
 import asyncio
+import json
 import secrets
 
 import grpc
@@ -73,19 +74,29 @@ async def test_weight_update_steps_and_their_refusals(start_mock: StartServer) -
         grpc.StatusCode.FAILED_PRECONDITION,
         "draft weight updates require a configured speculative draft model",
     )
-    # Out of order: the engine's own refusal, INTERNAL, its words kept.
-    code, message = await _error(
-        ctl.UpdateWeights(npb.UpdateWeightsRequest(update_info_json=b"{}"))
+    # Out of order: refused by the worker (FAILED_PRECONDITION), the engine never called
+    # (vllm-rs passes them to vLLM's workers, which answer INTERNAL).
+    assert await _error(ctl.UpdateWeights(npb.UpdateWeightsRequest(update_info_json=b"{}"))) == (
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "UpdateWeights: no weight update is open; send StartWeightUpdate first",
     )
-    assert code == grpc.StatusCode.INTERNAL
-    assert "start_weight_update must be called before update_weights." in message
-    code, message = await _error(ctl.FinishWeightUpdate(npb.FinishWeightUpdateRequest()))
-    assert code == grpc.StatusCode.INTERNAL and "without a matching start_weight_update" in message
+    assert await _error(ctl.FinishWeightUpdate(npb.FinishWeightUpdateRequest())) == (
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "FinishWeightUpdate: no weight update is open; send StartWeightUpdate first",
+    )
 
     await ctl.InitWeightTransferEngine(npb.InitWeightTransferEngineRequest(init_info_json=b"{}"))
     await ctl.StartWeightUpdate(npb.StartWeightUpdateRequest())
+    open_now = (
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "{}: a weight update is open (started, not finished); send FinishWeightUpdate first",
+    )
     code, message = await _error(ctl.StartWeightUpdate(npb.StartWeightUpdateRequest()))
-    assert code == grpc.StatusCode.INTERNAL and "already active" in message
+    assert (code, message) == (open_now[0], open_now[1].format("StartWeightUpdate"))
+    init = npb.InitWeightTransferEngineRequest(init_info_json=b"{}")
+    code, message = await _error(ctl.InitWeightTransferEngine(init))
+    assert (code, message) == (open_now[0], open_now[1].format("InitWeightTransferEngine"))
+    assert harness.engine.weight_updates == []  # none of the refused calls reached it
     for chunk in (b'{"path": "a"}', b'{"path": "b"}'):
         await ctl.UpdateWeights(npb.UpdateWeightsRequest(update_info_json=chunk))
     await ctl.FinishWeightUpdate(npb.FinishWeightUpdateRequest(weight_version="step-1"))
@@ -233,7 +244,7 @@ async def test_rl_operations_are_measured_and_traced(start_mock: StartServer) ->
         for span in finished
     ]
     assert steps == [
-        ("finish_weight_update", "INTERNAL"),
+        ("finish_weight_update", "FAILED_PRECONDITION"),
         ("init_weight_transfer", "OK"),
         ("start_weight_update", "OK"),
         ("update_weights", "OK"),
@@ -247,7 +258,7 @@ async def test_rl_operations_are_measured_and_traced(start_mock: StartServer) ->
         assert span.context.trace_id == int(trace_id, 16)
         assert span.parent.span_id == int(parent_id, 16)
     assert finished[0].status.status_code is StatusCode.ERROR
-    assert "without a matching start_weight_update" in (finished[0].status.description or "")
+    assert "no weight update is open" in (finished[0].status.description or "")
     assert (finished[5].attributes or {})["vllm_servicer.weight_version"] == "step-1"
     assert finished[6].parent is None
     assert (finished[6].attributes or {})["vllm_servicer.mode"] == "abort"
@@ -259,7 +270,7 @@ async def test_rl_operations_are_measured_and_traced(start_mock: StartServer) ->
         for operation, code in {step for step in steps} | {("update_weights", "INVALID_ARGUMENT")}
     }
     assert counted == {
-        ("finish_weight_update", "INTERNAL"): 1,
+        ("finish_weight_update", "FAILED_PRECONDITION"): 1,
         ("init_weight_transfer", "OK"): 1,
         ("start_weight_update", "OK"): 1,
         ("update_weights", "OK"): 2,
@@ -268,3 +279,81 @@ async def test_rl_operations_are_measured_and_traced(start_mock: StartServer) ->
         ("resume", "OK"): 1,
         ("update_weights", "INVALID_ARGUMENT"): 0,
     }
+
+
+_QUICK_HEALTH = ServerConfig(port=0, shutdown_grace_seconds=2.0, health_poll_seconds=0.05)
+
+
+async def _serving(harness: Harness) -> tuple[str, str]:
+    """(grpc.health.v1's status, a generation's status code)."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    health = health_pb2_grpc.HealthStub(harness.channel)
+    status = (await health.Check(health_pb2.HealthCheckRequest())).status
+    try:
+        await _stream(harness, native([5, 6], stopping=stopping(2)))
+        generated = "OK"
+    except grpc.aio.AioRpcError as err:
+        generated = err.code().name
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(status), generated
+
+
+async def test_a_failed_update_leaves_the_worker_as_the_model_it_left(
+    start_mock: StartServer,
+) -> None:
+    """A chunk refused with nothing loaded: the update is over, the worker serves on. One
+    that left the model part-loaded: NOT_SERVING and generation UNAVAILABLE, saying why,
+    until a new complete update; Update and Finish meanwhile are FAILED_PRECONDITION."""
+    harness = await start_mock(_QUICK_HEALTH, weight_transfer_backend="file")
+    ctl = control(harness)
+
+    def chunk(**info: str) -> npb.UpdateWeightsRequest:
+        return npb.UpdateWeightsRequest(update_info_json=json.dumps(info).encode())
+
+    assert await _serving(harness) == ("SERVING", "OK")
+    await ctl.StartWeightUpdate(npb.StartWeightUpdateRequest())
+    code, message = await _error(ctl.UpdateWeights(chunk(path="a", mock_failure="refused")))
+    assert code == grpc.StatusCode.INTERNAL and "refused" in message
+    assert await _serving(harness) == ("SERVING", "OK")
+    code, message = await _error(ctl.FinishWeightUpdate(npb.FinishWeightUpdateRequest()))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION
+    assert "the last one failed" in message and "refused" in message
+
+    await ctl.StartWeightUpdate(npb.StartWeightUpdateRequest())
+    await ctl.UpdateWeights(chunk(path="a"))
+    code, _ = await _error(ctl.UpdateWeights(chunk(path="b", mock_failure="part-loaded")))
+    assert code == grpc.StatusCode.INTERNAL
+    assert await _serving(harness) == ("NOT_SERVING", "UNAVAILABLE")
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await _stream(harness, native([5, 6], stopping=stopping(2)))
+    assert "weight update failed part-way" in (err.value.details() or "")
+    for call in (
+        ctl.UpdateWeights(chunk(path="b")),
+        ctl.FinishWeightUpdate(npb.FinishWeightUpdateRequest(weight_version="never")),
+    ):
+        assert (await _error(call))[0] == grpc.StatusCode.FAILED_PRECONDITION
+    # A new update that fails too keeps it out of rotation; a complete one brings it back.
+    await ctl.StartWeightUpdate(npb.StartWeightUpdateRequest())
+    await _error(ctl.UpdateWeights(chunk(path="c", mock_failure="refused")))
+    assert await _serving(harness) == ("NOT_SERVING", "UNAVAILABLE")
+    await ctl.StartWeightUpdate(npb.StartWeightUpdateRequest())
+    await ctl.UpdateWeights(chunk(path="all"))
+    await ctl.FinishWeightUpdate(npb.FinishWeightUpdateRequest(weight_version="whole"))
+    assert await _serving(harness) == ("SERVING", "OK")
+    assert (await ctl.GetWeightVersion(npb.GetWeightVersionRequest())).weight_version == "whole"
+    assert harness.engine.weight_updates == [{"path": "a"}, {"path": "all"}]
+
+
+async def test_a_model_the_engine_cannot_restore_makes_the_worker_exit(
+    start_mock: StartServer,
+) -> None:
+    """A part-loaded model the engine cannot undo (vLLM's own backends): NOT_SERVING at
+    once, then the worker drains and exits non-zero for a restart, as for an engine death."""
+    harness = await start_mock(_QUICK_HEALTH, weight_transfer_backend="file")
+    ctl = control(harness)
+    await ctl.StartWeightUpdate(npb.StartWeightUpdateRequest())
+    info = json.dumps({"path": "a", "mock_failure": "lost"}).encode()
+    code, _ = await _error(ctl.UpdateWeights(npb.UpdateWeightsRequest(update_info_json=info)))
+    assert code == grpc.StatusCode.INTERNAL
+    assert (await _serving(harness))[1] == "UNAVAILABLE"
+    assert await asyncio.wait_for(harness.server.run_until_shutdown(), 10) == 1

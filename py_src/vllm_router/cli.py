@@ -12,11 +12,13 @@ import asyncio
 import dataclasses
 import importlib.util
 import logging
+import os
 import sys
 from collections.abc import Coroutine, Sequence
 from typing import Any
 
 from .dataclass_flags import add_flags, from_args
+from .defaults import WEIGHT_FILE_ROOT_ENV
 from .engine import AsyncEngine
 from .errors import ServicerError
 from .server import ServerConfig, StartupError, preflight, serve
@@ -110,9 +112,20 @@ async def load_lora_modules(engine: AsyncEngine, specs: Sequence[str] | None) ->
             raise StartupError(f"--lora-modules {adapter.name}: {exc.message}") from exc
 
 
+def pass_weight_file_root(root: str | None) -> None:
+    """The file backend's root, for vLLM's processes (they inherit this one's environment):
+    an existing directory, resolved; unset, the backend refuses every update."""
+    if root is None:
+        return
+    if not root or not os.path.isdir(root):
+        raise StartupError(f"--weight-file-root {root!r} is not a directory")
+    os.environ[WEIGHT_FILE_ROOT_ENV] = os.path.realpath(root)
+
+
 async def _serve(args: argparse.Namespace) -> int:
     config = from_args(ServerConfig, args)
     preflight(config)
+    pass_weight_file_root(config.weight_file_root)
     engine = build_engine(args)
     try:
         await load_lora_modules(engine, config.lora_modules)

@@ -3,8 +3,9 @@
 Field `name` becomes `--<prefix><name>` (underscores to dashes) with the field's
 default and type; help, an environment-variable default, the value's placeholder and the
 values it accepts come from the field's metadata (`help`, `env`, `metavar`, `choices`).
-A `tuple[X, ...]` field takes one or more values (`nargs="+"`). A value is declared once,
-in the dataclass.
+A `tuple[X, ...]` field takes one or more values (`nargs="+"`; from its variable,
+separated by the field's `env_separator`, a comma by default). A variable that is set
+counts even when empty. A value is declared once, in the dataclass.
 """
 
 from __future__ import annotations
@@ -53,7 +54,10 @@ def add_flags(
         env = field.metadata.get("env")
         help_text = field.metadata.get("help", "")
         if env:
-            default = os.environ.get(env) or default
+            # Set is set, even empty: a secret that did not arrive must not read as "none".
+            if env in os.environ:
+                separator = field.metadata.get("env_separator", ",")
+                default = _from_env(os.environ[env], many, separator)
             help_text = f"{help_text} (default: ${env})"
         elif kind is not bool and default is not None:
             help_text = f"{help_text} (default: {default})".lstrip()
@@ -69,6 +73,14 @@ def add_flags(
                 nargs="+" if many else None, metavar=field.metadata.get("metavar"),
                 choices=field.metadata.get("choices"),
             )  # fmt: skip
+
+
+def _from_env(value: str, many: bool, separator: str) -> Any:
+    """A variable's text as the flag's default: for a setting that holds several, its items
+    split at `separator` (empty items dropped; an empty variable is an empty tuple)."""
+    if not many:
+        return value
+    return tuple(item for item in value.split(separator) if item)
 
 
 def from_args(settings: type[Settings], args: argparse.Namespace, *, prefix: str = "") -> Settings:

@@ -48,6 +48,20 @@ class MediaRefused(ServicerError):
     code = grpc.StatusCode.PERMISSION_DENIED
 
 
+class PathRefused(ServicerError):
+    """A path a remote caller named (a LoRA adapter, a weights file) that lies outside what
+    this worker's operator allowed; nothing was read."""
+
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
+class OutOfOrder(ServicerError):
+    """A call that the state it finds does not allow (a weight update's step out of its
+    sequence); nothing was done: the engine was not called."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
 class NotFound(ServicerError):
     """A named thing (a LoRA adapter) that this worker does not have."""
 
@@ -100,11 +114,23 @@ class RequestFailed(EngineUnavailable):
 
 
 class EngineOperationFailed(ServicerError):
-    """The engine refused or failed an operation it was asked for (a weight update out of
-    order, a weight-transfer backend's error); the message is the engine's own. INTERNAL,
-    as vLLM's Rust front end answers it, but not a bug in this server."""
+    """The engine refused or failed an operation it was asked for (a weight-transfer
+    backend's error); the message is the engine's own. INTERNAL, as vLLM's Rust front end
+    answers it, but not a bug in this server.
+
+    For a weight-update step, what it left of the served model (core/weight_updates.py):
+    `model_whole` True when nothing was loaded (the model is as it was), False when it may
+    be part-loaded, None when the engine cannot tell; `restartable` when a new complete
+    update can make it whole again on this engine."""
 
     code = grpc.StatusCode.INTERNAL
+
+    def __init__(
+        self, message: str, *, model_whole: bool | None = None, restartable: bool = False
+    ) -> None:
+        super().__init__(message)
+        self.model_whole = model_whole
+        self.restartable = restartable
 
 
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
-from ..defaults import API_KEY_ENV, DEFAULT_ADDRESS
+from ..defaults import API_KEY_ENV, CONTROL_API_KEY_ENV, DEFAULT_ADDRESS
 
 if TYPE_CHECKING:
     from .worker import WorkerClient
@@ -181,6 +181,12 @@ def _connection_options(target: argparse.ArgumentParser, *, defaults: bool) -> N
         help=f"sent as 'authorization: Bearer' (default: ${API_KEY_ENV})",
     )
     target.add_argument(
+        "--control-api-key",
+        default=default(os.environ.get(CONTROL_API_KEY_ENV)),
+        help="sent as 'authorization: Bearer' with calls that change the worker, and with "
+        f"every call when no API key is given (default: ${CONTROL_API_KEY_ENV})",
+    )
+    target.add_argument(
         "--tls",
         action="store_true",
         default=default(False),
@@ -268,7 +274,12 @@ async def _run(args: argparse.Namespace) -> int:
     if args.tls or args.ca_certs or args.certfile:
         tls = Tls(args.ca_certs, args.certfile, args.keyfile, args.tls_server_name)
     async with WorkerClient(
-        args.address, uds=args.uds, api_key=args.api_key, tls=tls, timeout=args.timeout
+        args.address,
+        uds=args.uds,
+        api_key=args.api_key,
+        control_api_key=args.control_api_key,
+        tls=tls,
+        timeout=args.timeout,
     ) as worker:
         return await COMMANDS[args.command](worker, args)
 

@@ -61,6 +61,10 @@ class Tls:
         )
 
 
+def _bearer(key: str | None) -> tuple[tuple[str, str], ...]:
+    return (("authorization", f"Bearer {key}"),) if key else ()
+
+
 class WorkerClient:
     """One channel to one worker (TCP `address` or unix socket `uds`)."""
 
@@ -70,11 +74,15 @@ class WorkerClient:
         *,
         uds: str | None = None,
         api_key: str | None = None,
+        control_api_key: str | None = None,
         tls: Tls | None = None,
         timeout: float | None = 30.0,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     ) -> None:
-        """`timeout` bounds every call but generation (which runs as long as it takes)."""
+        """`timeout` bounds every call but generation (which runs as long as it takes).
+        `api_key` goes with every call; `control_api_key` with the calls that change the
+        worker (ResetPrefixCache), and with the others when no `api_key` is given (the
+        control key passes the API-key check too)."""
         target = f"unix:{uds}" if uds else address
         options: list[tuple[str, Any]] = [
             *KEEPALIVE_OPTIONS,
@@ -89,7 +97,8 @@ class WorkerClient:
             self._channel = grpc.aio.secure_channel(target, tls.credentials(), options=options)
         self._stub = pb_grpc.VllmEngineStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
-        self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
+        self._metadata = _bearer(api_key or control_api_key)
+        self._control_metadata = _bearer(control_api_key or api_key)
         self._timeout = timeout
         self._tokenizer: ClientTokenizer | None = None
         self._tokenizer_sha256: str | None = None
@@ -146,7 +155,9 @@ class WorkerClient:
     async def reset_prefix_cache(self) -> bool:
         reply = await self._call(
             self._stub.ResetPrefixCache(
-                pb.ResetPrefixCacheRequest(), metadata=self._metadata, timeout=self._timeout
+                pb.ResetPrefixCacheRequest(),
+                metadata=self._control_metadata,
+                timeout=self._timeout,
             )
         )
         return reply.success

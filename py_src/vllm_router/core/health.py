@@ -27,8 +27,8 @@ SERVING = ServingStatus(serving=True)
 
 
 class ServingState:
-    """Whether this worker serves: the engine is alive and in rotation, and the server is
-    not draining.
+    """Whether this worker serves: the engine is alive and in rotation, its model is whole
+    (no weight update failed part-way), and the server is not draining.
 
     The contracts' HealthCheck RPCs, grpc.health.v1 (through the server's watcher) and
     request admission all ask `status()`; nothing else decides. Engine death is final:
@@ -43,6 +43,8 @@ class ServingState:
         self._draining = False
         self._dead: str | None = None
         self._out_of_rotation: str | None = None
+        # The model is not whole (a weight update failed part-way): no forward pass on it.
+        self._unfit: str | None = None
         self._listeners: list[Callable[[], Awaitable[None]]] = []
         self._death_announced = asyncio.Event()
 
@@ -59,6 +61,22 @@ class ServingState:
     async def rejoin_rotation(self) -> None:
         self._out_of_rotation = None
         await self._announce()
+
+    async def model_unfit(self, reason: str) -> None:
+        """The served model is not whole (`reason`: what health and refused requests say):
+        new generation is refused until `model_whole`; control RPCs still run."""
+        self._unfit = reason
+        await self._announce()
+
+    async def model_whole(self) -> None:
+        if self._unfit is not None:
+            self._unfit = None
+            await self._announce()
+
+    @property
+    def unfit(self) -> str | None:
+        """Why the model is not whole, or None."""
+        return self._unfit
 
     async def _announce(self) -> None:
         for listener in self._listeners:
@@ -92,6 +110,8 @@ class ServingState:
         problem = await self._engine_problem()
         if problem is not None:
             return ServingStatus(False, problem)
+        if self._unfit is not None:
+            return ServingStatus(False, self._unfit)
         if self._out_of_rotation is not None:
             return ServingStatus(False, self._out_of_rotation)
         if self._draining:

@@ -18,7 +18,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, NoReturn, TypeVar
+from typing import Any, ClassVar, NoReturn, TypeVar
 
 import grpc
 
@@ -26,10 +26,12 @@ from ..engine import AsyncEngine
 from ..errors import EngineDead, InvalidRequest, status_code, status_for
 from .flight import DirectSend
 from .health import ServingState
+from .lora_paths import LoraPathRule
 from .metrics import ServicerMetrics
 from .operations import EngineOperations
 from .requests import RequestTable
 from .tokenizer import TokenizerFiles
+from .weight_updates import WeightUpdates
 
 logger = logging.getLogger(__name__)
 
@@ -47,14 +49,19 @@ class ServingCore:
     # A stream context's direct send (a send that never waits; None: the transport has
     # none, or direct sends are off); see core/flight.py.
     direct_send: Callable[[grpc.aio.ServicerContext], DirectSend | None] = lambda _: None
+    # Where a LoRA adapter loaded at a remote caller's word may come from.
+    lora_paths: LoraPathRule = field(default_factory=LoraPathRule)
     tokenizer: TokenizerFiles = field(init=False)
     # Pause, sleep, weight updates...: one at a time, measured and traced.
     operations: EngineOperations = field(init=False)
+    # The weight-update sequence: out-of-order steps refused, a part-loaded model unserved.
+    weight_updates: WeightUpdates = field(init=False)
     started: float = field(init=False, default_factory=time.monotonic)  # for uptimes
 
     def __post_init__(self) -> None:
         self.tokenizer = TokenizerFiles(self.engine)
         self.operations = EngineOperations(self.metrics)
+        self.weight_updates = WeightUpdates(self.state)
 
 
 class Malformed:
@@ -95,6 +102,13 @@ class ContractServicer:
     finished RPCs (`service_label` names them)."""
 
     service_label: str
+    # Every RPC of the service, by who calls it (server/security.py): `control_rpcs` change
+    # the worker (or read its control state: adapters' paths, holds, the weight version) and
+    # need the control key when one is set; `router_rpcs` are what a router sends (generation,
+    # Abort, info, loads, tokenizer, KV events) and need only the API key. Each RPC is in
+    # exactly one (a structure test holds it), so a new RPC is classified when it is added.
+    control_rpcs: ClassVar[frozenset[str]] = frozenset()
+    router_rpcs: ClassVar[frozenset[str]] = frozenset()
 
     def __init__(self, core: ServingCore) -> None:
         self.core = core

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import ipaddress
 import logging
 import os
 import signal
@@ -29,14 +30,16 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from ..core import MediaRules, RequestTable, ServicerMetrics, ServingCore, ServingState
+from ..core.lora_paths import LoraPathRule, PrefixError
 from ..core.progress import ProgressWatchdog, StallLimits, silent_for
+from ..defaults import CONTROL_API_KEY_ENV
 from ..engine import AsyncEngine
 from .config import ServerConfig, StartupError
 from .health_service import HealthService
 from .interceptors import MalformedRequestInterceptor
 from .metrics_http import MetricsEndpoint, start_metrics_endpoint
-from .registry import enabled_contracts
-from .security import ApiKeyInterceptor, server_credentials
+from .registry import control_methods, enabled_contracts
+from .security import caller_auth, check_keys, server_credentials
 from .transport import build_server, check_transport, direct_sender
 
 logger = logging.getLogger(__name__)
@@ -59,8 +62,8 @@ def address(host: str, port: int) -> str:
 
 def preflight(config: ServerConfig) -> None:
     """Fail in milliseconds, before a model load that can take minutes."""
-    if config.api_key is not None and not config.api_key:
-        raise StartupError("the API key must not be empty (--api-key)")
+    check_keys(config)
+    lora_path_rule(config)
     check_transport(config)
     problem = _stall_limits(config).check()
     if problem is not None:
@@ -70,6 +73,13 @@ def preflight(config: ServerConfig) -> None:
         _check_bindable(config.host, config.port)
     if config.metrics_port:
         _check_bindable(config.metrics_host or config.host, config.metrics_port)
+
+
+def lora_path_rule(config: ServerConfig) -> LoraPathRule:
+    try:
+        return LoraPathRule.of(config.lora_allowed_path_prefixes, hub_ids=config.lora_hub_ids)
+    except PrefixError as exc:
+        raise StartupError(f"--lora-allowed-path-prefixes: {exc}") from None
 
 
 def _stall_limits(config: ServerConfig) -> StallLimits:
@@ -133,7 +143,12 @@ class RunningServer:
                 stall_stage=lambda: self.watchdog.stage,
             )
         self.core = ServingCore(
-            engine, self.requests, self.state, self.metrics, direct_send=direct_sender(config)
+            engine,
+            self.requests,
+            self.state,
+            self.metrics,
+            direct_send=direct_sender(config),
+            lora_paths=lora_path_rule(config),
         )
         self.state.on_change(self._refresh_health)
         self.health = HealthService()
@@ -143,9 +158,10 @@ class RunningServer:
         interceptors: list[grpc.aio.ServerInterceptor] = [
             MalformedRequestInterceptor(self.services)
         ]
-        if config.api_key is not None:
-            refused = self.metrics.unauthenticated if self.metrics is not None else None
-            interceptors.insert(0, ApiKeyInterceptor(config.api_key, on_refused=refused))
+        refused = self.metrics.unauthenticated if self.metrics is not None else None
+        auth = caller_auth(config, control_methods(self.contracts), on_refused=refused)
+        if auth is not None:
+            interceptors.insert(0, auth)
         self.server = build_server(config, interceptors)
         self.port = 0
         self.exit_code = EXIT_OK
@@ -301,6 +317,38 @@ class RunningServer:
         return idle.done() and not idle.cancelled() and idle.result()
 
 
+def is_local_only(config: ServerConfig) -> bool:
+    """Whether only this machine can connect: a unix socket alone, or a loopback address."""
+    if config.port < 0:
+        return True
+    host = config.host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve to anything
+        return False
+
+
+def warn_if_control_is_open(config: ServerConfig) -> None:
+    """The RPCs that change the worker, served to anyone who reaches a non-local address."""
+    if not config.admin_rpcs or config.control_api_key is not None or is_local_only(config):
+        return
+    guard = (
+        "only the API key, which every router and client of this worker holds, guards them"
+        if config.api_key is not None
+        else "anyone who reaches the port can call them"
+    )
+    logger.warning(
+        "RPCs that change this worker (LoRA loads, pause, sleep, weight updates, cache "
+        "flushes) are served on %s without a control key: %s. Set --control-api-key "
+        "(or $%s), or --no-admin-rpcs (docs/operations.md#threat-model)",
+        address(config.host, config.port),
+        guard,
+        CONTROL_API_KEY_ENV,
+    )
+
+
 async def start_server(engine: AsyncEngine, config: ServerConfig) -> RunningServer:
     running = RunningServer(engine, config)
     await running.start()
@@ -332,6 +380,7 @@ async def serve(engine: AsyncEngine, config: ServerConfig) -> int:
     logger.info("Start-up heap frozen: %d objects left out of collections (%.2fs)", frozen, took)
     running = await start_server(engine, config)
     running.install_signal_handlers()
+    warn_if_control_is_open(config)
     facts = engine.facts
     where = [address(config.host, running.port)] if config.port >= 0 else []
     if config.uds:

@@ -5,11 +5,19 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..core.lora_paths import PREFIXES_ENV as LORA_PREFIXES_ENV
 from ..core.media_admission import DEFAULT_MAX_BYTES as DEFAULT_MEDIA_MAX_BYTES
 from ..core.media_admission import DEFAULT_TIMEOUT as DEFAULT_MEDIA_TIMEOUT
 from ..core.progress import DEFAULT_EXIT_SECONDS as DEFAULT_ENGINE_STALL_EXIT
 from ..core.progress import DEFAULT_TIMEOUT_SECONDS as DEFAULT_ENGINE_STALL_TIMEOUT
-from ..defaults import API_KEY_ENV, DEFAULT_HOST, DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_PORT
+from ..defaults import (
+    API_KEY_ENV,
+    CONTROL_API_KEY_ENV,
+    DEFAULT_HOST,
+    DEFAULT_MAX_MESSAGE_BYTES,
+    DEFAULT_PORT,
+    WEIGHT_FILE_ROOT_ENV,
+)
 
 # Field metadata keys read by `vllm_router.dataclass_flags`.
 HELP = "help"
@@ -18,6 +26,7 @@ VLLM_DEFINES = "vllm_defines"  # vLLM's engine flags define this flag when vLLM 
 # How the vLLM engine is served: a flag only when vLLM is installed (not for --mock-engine).
 VLLM_ONLY = "vllm_only"
 METAVAR = "metavar"  # the value's placeholder in --help
+ENV_SEPARATOR = "env_separator"  # what separates a several-valued setting's items in its variable
 CHOICES = "choices"  # the only values the flag accepts
 # The transports `transport` may name (server/transport.py builds each); grpcio the default.
 TRANSPORTS = ("grpcio", "native")
@@ -134,6 +143,23 @@ class ServerConfig:
             ENV: API_KEY_ENV,
         },
     )
+    # Who may change the worker (server/security.py; docs/operations.md#threat-model).
+    control_api_key: str | None = field(
+        default=None,
+        repr=False,
+        metadata={
+            HELP: "require 'authorization: Bearer <key>' with this key on every RPC that "
+            "changes the worker or reads its control state (LoRA loads, pause, sleep, weight "
+            "updates, cache flushes, profiling; each contract's list is in docs/operations.md); "
+            "it also passes the --api-key check. Unset: those RPCs need what every RPC needs",
+            ENV: CONTROL_API_KEY_ENV,
+        },
+    )
+    admin_rpcs: bool = _opt(
+        True,
+        "serve the RPCs that change the worker (see --control-api-key); --no-admin-rpcs "
+        "refuses every one of them with UNIMPLEMENTED, whatever key the caller sends",
+    )
     metrics_port: int | None = _opt(
         None,
         "serve Prometheus metrics (vllm_servicer:* and vLLM's vllm:* series) over HTTP on "
@@ -158,6 +184,25 @@ class ServerConfig:
         "makes for it, without its general work (same validation, admission and request; "
         "less CPU per request); --no-direct-entry sends every request through add_request",
         **{VLLM_ONLY: True},
+    )
+    lora_allowed_path_prefixes: tuple[str, ...] | None = _opt(
+        None,
+        "directories a LoRA adapter loaded at run time (LoadLora, LoadLoraAdapter) may come "
+        "from, once links and '..' are resolved; none: every local path is refused, as "
+        f"vllm-rs refuses it (from ${LORA_PREFIXES_ENV}, ':'-separated, as vllm-rs reads it)",
+        **{ENV: LORA_PREFIXES_ENV, ENV_SEPARATOR: ":", METAVAR: "DIR"},
+    )
+    lora_hub_ids: bool = _opt(
+        True,
+        "load a LoRA adapter named by a model hub id at run time (vLLM downloads it), as "
+        "vllm-rs does; --no-lora-hub-ids refuses them",
+    )
+    weight_file_root: str | None = _opt(
+        None,
+        "the directory the `file` weight-transfer backend may read beneath (weights a "
+        "trainer names in UpdateWeights); passed to vLLM's processes as "
+        f"${WEIGHT_FILE_ROOT_ENV}. Unset: that backend refuses every update",
+        **{VLLM_ONLY: True, ENV: WEIGHT_FILE_ROOT_ENV, METAVAR: "DIR"},
     )
     lora_modules: tuple[str, ...] | None = _opt(
         None,

@@ -25,7 +25,7 @@ from ..contracts.vllm_native.servicer import (
     NativeControlServicer,
     NativeInferenceServicer,
 )
-from ..core import ContractServicer, ServingCore
+from ..core import ContractServicer
 from ..proto import vllm_engine_pb2_grpc as pb_grpc
 from ..proto import vllm_native_pb2_grpc as npb_grpc
 from .config import ServerConfig
@@ -35,7 +35,7 @@ from .config import ServerConfig
 class ContractEntry:
     # Full service name: routed by the server, answered by grpc.health.v1, listed by reflection.
     service_name: str
-    servicer: Callable[[ServingCore], ContractServicer]
+    servicer: type[ContractServicer]  # built over the serving core
     add_to_server: Callable[[Any, grpc.aio.Server], None]
     enabled: Callable[[ServerConfig], bool] = lambda config: True
 
@@ -66,3 +66,11 @@ CONTRACTS: tuple[ContractEntry, ...] = (
 
 def enabled_contracts(config: ServerConfig) -> tuple[ContractEntry, ...]:
     return tuple(entry for entry in CONTRACTS if entry.enabled(config))
+
+
+def control_methods(contracts: tuple[ContractEntry, ...]) -> frozenset[str]:
+    """The full method names ('/package.Service/Method') of the mounted contracts' control
+    RPCs: what the control key guards (server/security.py)."""
+    return frozenset(
+        f"/{entry.service_name}/{rpc}" for entry in contracts for rpc in entry.servicer.control_rpcs
+    )

@@ -87,6 +87,23 @@ class _Request:
     handed_out: bool = False
 
 
+# An update_info key that makes the mock's UpdateWeights fail as a weight-transfer backend
+# can fail, by what it leaves of the model (core/weight_updates.py): "refused" (nothing
+# loaded), "part-loaded" (undone by a new update) or "lost" (the engine cannot restore it).
+MOCK_FAILURE = "mock_failure"
+
+
+def _mock_failure(kind: str) -> EngineOperationFailed:
+    message = f"update_weights failed: the mock was told to fail ({kind})"
+    if kind == "refused":
+        return EngineOperationFailed(message, model_whole=True)
+    if kind == "part-loaded":
+        return EngineOperationFailed(message, model_whole=False, restartable=True)
+    if kind == "lost":
+        return EngineOperationFailed(message, model_whole=False)
+    raise InvalidRequest(f"{MOCK_FAILURE} must be refused, part-loaded or lost, not {kind!r}")
+
+
 class MockAsyncEngine:
     """A fake engine that keeps real request bookkeeping (running, waiting, aborts)."""
 
@@ -266,6 +283,10 @@ class MockAsyncEngine:
             raise EngineOperationFailed(
                 "update_weights failed: start_weight_update must be called before update_weights."
             )
+        failure = update_info.get(MOCK_FAILURE)
+        if failure is not None:
+            self._updating = False  # as vLLM's workers end an update that failed
+            raise _mock_failure(str(failure))
         self.weight_updates.append(update_info)
 
     async def finish_weight_update(self, version: str | None) -> None:

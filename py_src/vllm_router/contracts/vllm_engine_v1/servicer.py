@@ -31,6 +31,15 @@ Session: TypeAlias = BatchSession[pb.GenerateStreamResponse, pb.RequestError]
 
 class VllmEngineServicer(ContractServicer, pb_grpc.VllmEngineServicer):
     service_label = SERVICE_NAME
+    control_rpcs = frozenset(
+        {"ResetPrefixCache", "LoadLoraAdapter", "UnloadLoraAdapter", "ListLoraAdapters"}
+    )
+    router_rpcs = frozenset(
+        {
+            "GenerateStream", "GenerateBatch", "Generate", "Embed", "Abort", "GetModelInfo",
+            "GetLoads", "GetTokenizer", "HealthCheck",
+        }
+    )  # fmt: skip
     # Per-instance cache, set on first use (an immutable default).
     _metrics_for: LoadSnapshot | None = None
     _metrics: pb.WorkerMetrics
@@ -226,7 +235,8 @@ class VllmEngineServicer(ContractServicer, pb_grpc.VllmEngineServicer):
         await self._state.require_engine()
         if not request.name or not request.path:
             raise InvalidRequest("LoadLoraAdapter needs both a name and a path")
-        await self._engine.load_lora_adapter(request.name, request.path)
+        path = self.core.lora_paths.check(request.path)
+        await self._engine.load_lora_adapter(request.name, path)
         return pb.LoadLoraAdapterResponse()
 
     @handles_errors

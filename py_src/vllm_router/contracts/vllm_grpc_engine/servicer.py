@@ -29,6 +29,13 @@ Context: TypeAlias = grpc.aio.ServicerContext
 
 class VllmGrpcServicer(ContractServicer, vpb_grpc.VllmEngineServicer):
     service_label = SERVICE_NAME
+    control_rpcs = frozenset({"FlushCache", "StartProfile", "StopProfile"})
+    router_rpcs = frozenset(
+        {
+            "Generate", "Embed", "HealthCheck", "Abort", "GetModelInfo", "GetServerInfo",
+            "GetLoads", "GetTokenizer", "SubscribeKvEvents",
+        }
+    )  # fmt: skip
 
     @handles_errors
     async def Generate(

@@ -19,6 +19,7 @@ import grpc
 from ...core import ContractServicer, handles_errors
 from ...core.accumulate import RequestResult
 from ...core.request_fields import trace_headers
+from ...core.weight_updates import Step
 from ...engine import NO_DRAFT_MODEL, NO_WEIGHT_TRANSFER, EngineStep, GenerationRequest, LoraAdapter
 from ...errors import InvalidRequest, NotConfigured, NotFound
 from ...proto import vllm_native_pb2 as npb
@@ -34,6 +35,7 @@ Metadata: TypeAlias = Sequence[tuple[str, str | bytes]] | None
 
 class NativeInferenceServicer(ContractServicer, npb_grpc.InferenceServicer):
     service_label = INFERENCE_SERVICE
+    router_rpcs = frozenset({"GenerateStream", "Generate"})
 
     async def _generation(
         self, request: npb.GenerateRequest, metadata: Metadata, *, unary: bool = False
@@ -101,6 +103,17 @@ class NativeInferenceServicer(ContractServicer, npb_grpc.InferenceServicer):
 
 class NativeControlServicer(ContractServicer, npb_grpc.ControlServicer):
     service_label = CONTROL_SERVICE
+    # vllm.Control mixes what a router asks (info, Abort, KV event sources) with what changes
+    # the worker; vLLM splits the two by caller (`--grpc-services`), this worker by key.
+    control_rpcs = frozenset(
+        {
+            "LoadLora", "UnloadLora", "ListLoras", "Shutdown", "PauseGeneration",
+            "ResumeGeneration", "IsPaused", "Sleep", "WakeUp", "IsSleeping",
+            "InitWeightTransferEngine", "StartWeightUpdate", "StartDraftWeightUpdate",
+            "UpdateWeights", "FinishWeightUpdate", "UpdateWeightVersion", "GetWeightVersion",
+        }
+    )  # fmt: skip
+    router_rpcs = frozenset({"GetServerInfo", "GetModelInfo", "Abort", "GetKvEventSources"})
 
     @functools.cached_property
     def _instance_id(self) -> str:
@@ -158,7 +171,8 @@ class NativeControlServicer(ContractServicer, npb_grpc.ControlServicer):
             raise InvalidRequest("LoadLora needs lora_name and source_path")
         await self._state.require_engine()
         self._require_lora()
-        await self._engine.load_lora_adapter(request.lora_name, request.source_path)
+        path = self.core.lora_paths.check(request.source_path)
+        await self._engine.load_lora_adapter(request.lora_name, path)
         adapter = await self._adapter(request.lora_name)
         return npb.LoadLoraResponse(adapter=responses.lora_adapter(adapter))
 
@@ -255,7 +269,8 @@ class NativeControlServicer(ContractServicer, npb_grpc.ControlServicer):
         init_info = convert.json_object(request.init_info_json, "init_info_json")
         await self._state.require_engine()
         async with self._operation("init_weight_transfer", context):
-            await self._engine.init_weight_transfer(init_info)
+            async with self.core.weight_updates.step(Step.INIT):
+                await self._engine.init_weight_transfer(init_info)
         return npb.InitWeightTransferEngineResponse()
 
     @handles_errors
@@ -265,7 +280,8 @@ class NativeControlServicer(ContractServicer, npb_grpc.ControlServicer):
         self._require_weight_transfer()
         await self._state.require_engine()
         async with self._operation("start_weight_update", context, draft=False):
-            await self._engine.start_weight_update(draft=False)
+            async with self.core.weight_updates.step(Step.START):
+                await self._engine.start_weight_update(draft=False)
         return npb.StartWeightUpdateResponse()
 
     @handles_errors
@@ -277,7 +293,8 @@ class NativeControlServicer(ContractServicer, npb_grpc.ControlServicer):
             raise NotConfigured(NO_DRAFT_MODEL)
         await self._state.require_engine()
         async with self._operation("start_weight_update", context, draft=True):
-            await self._engine.start_weight_update(draft=True)
+            async with self.core.weight_updates.step(Step.START):
+                await self._engine.start_weight_update(draft=True)
         return npb.StartDraftWeightUpdateResponse()
 
     @handles_errors
@@ -288,7 +305,8 @@ class NativeControlServicer(ContractServicer, npb_grpc.ControlServicer):
         update_info = convert.json_object(request.update_info_json, "update_info_json")
         await self._state.require_engine()
         async with self._operation("update_weights", context):
-            await self._engine.update_weights(update_info)
+            async with self.core.weight_updates.step(Step.UPDATE):
+                await self._engine.update_weights(update_info)
         return npb.UpdateWeightsResponse()
 
     @handles_errors
@@ -301,7 +319,8 @@ class NativeControlServicer(ContractServicer, npb_grpc.ControlServicer):
             version = convert.weight_version(request.weight_version)
         await self._state.require_engine()
         async with self._operation("finish_weight_update", context, weight_version=version or ""):
-            await self._engine.finish_weight_update(version)
+            async with self.core.weight_updates.step(Step.FINISH):
+                await self._engine.finish_weight_update(version)
         return npb.FinishWeightUpdateResponse()
 
     @handles_errors

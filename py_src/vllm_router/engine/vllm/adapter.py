@@ -51,12 +51,14 @@ from .compat import (
     MEDIA,
     RENDER,
     TOKENIZE,
+    WEIGHT_RELOAD_ABORT,
     WEIGHT_TRANSFER,
     check_touch_points,
 )
 from .entry import DirectEntry, VllmCall
 from .facts import model_facts, read_tokenizer_files
 from .fast_outputs import FastOutputs
+from .file_weights import NO_ROOT, WeightFileRule
 from .generate import lean_steps, request_output_steps
 from .kv_events import kv_event_batches, kv_event_sources
 from .lora import LoraRegistry
@@ -136,6 +138,13 @@ class VllmEngine:
         )
         self._facts = model_facts(llm, self._model_defaults, media=MEDIA in self.features)
         self._loras = LoraRegistry(llm, self._facts.supports_lora)
+        # The file backend's paths, checked here before vLLM's workers check them again.
+        self._weight_files = WeightFileRule.of(
+            self._facts.weight_transfer_backend,
+            restartable=WEIGHT_RELOAD_ABORT in self.features,
+        )
+        if self._weight_files.applies and self._weight_files.root is None:
+            logger.warning("--weight-transfer-config names the file backend: %s", NO_ROOT)
         if self._model_defaults:
             logger.info(
                 "Model generation-config defaults for unset fields: %s", self._model_defaults
@@ -318,28 +327,51 @@ class VllmEngine:
         from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
 
         self._require_weight_transfer()
+        root = self._weight_files.narrowed(init_info)
         request = WeightTransferInitRequest(init_info=init_info)
         await self._engine_operation("init_weight_transfer_engine", request)
+        self._weight_files.root = root
 
     async def start_weight_update(self, *, draft: bool) -> None:
         self._require_weight_transfer()
-        if draft:
-            if not self._facts.draft_weight_updates:
-                raise NotConfigured(NO_DRAFT_MODEL)
-            await self._engine_operation("start_draft_weight_update")
-        else:
-            await self._engine_operation("start_weight_update")
+        if draft and not self._facts.draft_weight_updates:
+            raise NotConfigured(NO_DRAFT_MODEL)
+        name = "start_draft_weight_update" if draft else "start_weight_update"
+        try:
+            await self._engine_operation(name)
+        except EngineOperationFailed as exc:
+            # The file backend's Start stages nothing and loads nothing.
+            raise self._weight_files.outcome(exc, loads=False) from exc
 
     async def update_weights(self, update_info: dict[str, Any]) -> None:
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
         self._require_weight_transfer()
+        self._weight_files.check_update(update_info)
         request = WeightTransferUpdateRequest(update_info=update_info)
-        await self._engine_operation("update_weights", request)
+        try:
+            await self._engine_operation("update_weights", request)
+        except EngineOperationFailed as exc:
+            # The file backend stages a chunk; it loads nothing before Finish.
+            raise self._weight_files.outcome(exc, loads=False) from exc
 
     async def finish_weight_update(self, version: str | None) -> None:
         self._require_weight_transfer()
-        await self._engine_operation("finish_weight_update", weight_version=version)
+        try:
+            await self._engine_operation("finish_weight_update", weight_version=version)
+        except EngineOperationFailed as exc:
+            failed = self._weight_files.outcome(exc, loads=True)
+            if failed.model_whole is not None or failed.restartable:
+                # vLLM's workers keep a failed Finish's update open: close it (nothing is
+                # staged any more, so this loads nothing and sets no version).
+                await self._close_failed_update()
+            raise failed from exc
+
+    async def _close_failed_update(self) -> None:
+        try:
+            await self._llm.finish_weight_update()
+        except Exception as exc:
+            logger.warning("Could not close the failed weight update in vLLM's workers: %s", exc)
 
     def _require_weight_transfer(self) -> None:
         if not self._facts.weight_transfer_backend:

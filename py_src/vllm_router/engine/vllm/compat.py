@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .introspect import assigned_attributes, called_names, missing, parameters
+from .weight_reload import abort_problem as reload_abort_problem
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +42,7 @@ BULK_LATENCIES = "inter-token latencies observed by value, not one by one"
 ENGINE_PROGRESS = "the engine progress watchdog"
 DIRECT_ENTRY = "token-id requests into the engine core without add_request's general work"
 WEIGHT_TRANSFER = "RL weight updates (vllm.Control's weight-transfer RPCs)"
+WEIGHT_RELOAD_ABORT = "undoing a weight load that failed part-way (the file backend)"
 # The connector's name in a kv_transfer_config (kv_store.py).
 KV_STORE_CONNECTOR = "SharedStorageConnector"
 
@@ -369,6 +371,11 @@ TOUCH_POINTS = (
     TouchPoint("AsyncLLM weight-transfer methods, WeightTransferInitRequest / "
                "WeightTransferUpdateRequest", WEIGHT_TRANSFER,
                "the weight-transfer RPCs answer UNIMPLEMENTED", _weight_transfer),
+    TouchPoint("layerwise reload's LAYERWISE_INFO / LOADING_LAYERS / _place_kernel_tensors, "
+               "LayerReloadingInfo.kernel_tensors / can_load / reset", WEIGHT_RELOAD_ABORT,
+               "a file-backend Finish whose load fails cannot be undone: the worker exits for "
+               "a restart instead of serving a part-loaded model",
+               lambda llm: reload_abort_problem()),
     # Reported here; the connector, in the engine core, turns itself off (kv_store.py).
     TouchPoint("ExampleConnector internals (configured connectors only)", KV_STORE,
                "the connector runs as vLLM's ExampleConnector: a decode request whose KV "

