@@ -12,6 +12,7 @@ import pytest
 import pytest_asyncio
 
 from vllm_router.core.flight import Flight
+from vllm_router.core.lora_paths import PREFIXES_ENV
 from vllm_router.server import ServerConfig
 from vllm_router.testing.mock_engine import MockAsyncEngine, MockConfig
 
@@ -156,8 +157,17 @@ async def _real_harness(
     real_engine.require_vllm()
     model_dir = real_engine.tiny_model(temperature)
     engine = await real_engine.start_engine(model_dir, {**real_engine.ENGINE_FLAGS, **extra_flags})
-    config = ServerConfig(port=0, shutdown_grace_seconds=5.0, metrics_port=0)
-    harness = await start_harness(engine, config, model_dir)
+    # As a worker behind a router is deployed: a control key (the routers send none and
+    # must not need one) and runtime LoRA adapters from the models' folder only. The
+    # harness's channel sends the key; the routers, vLLM's clients and grpcurl do not.
+    config = ServerConfig(
+        port=0,
+        shutdown_grace_seconds=5.0,
+        metrics_port=0,
+        control_api_key=real_engine.CONTROL_KEY,
+        lora_allowed_path_prefixes=(str(real_engine.MODEL_CACHE),),
+    )
+    harness = await start_harness(engine, config, model_dir, bearer=real_engine.CONTROL_KEY)
     try:
         yield harness
     finally:
@@ -225,7 +235,11 @@ async def references() -> AsyncIterator[dict[str, routers.Launch]]:
     }
     if native_servers.vllm_rs_path() is not None:
         log = model.parent / "vllm-rs.log"
-        started["vllm-rs"] = native_servers.vllm_rs_server(model, flags, log, *lora)
+        # Runtime LoRA loads from the models' folder, as `real` allows them.
+        prefixes = {PREFIXES_ENV: str(real_engine.MODEL_CACHE)}
+        started["vllm-rs"] = native_servers.vllm_rs_server(
+            model, flags, log, *lora, environment=prefixes
+        )
     async with routers.launched(**started) as launches:
         yield launches
 

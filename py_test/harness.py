@@ -126,11 +126,48 @@ def with_transport(config: ServerConfig) -> ServerConfig:
     return dataclasses.replace(config, transport=TRANSPORT)
 
 
+class Bearer(
+    grpc.aio.UnaryUnaryClientInterceptor,
+    grpc.aio.UnaryStreamClientInterceptor,
+    grpc.aio.StreamUnaryClientInterceptor,
+    grpc.aio.StreamStreamClientInterceptor,
+):  # type: ignore[misc]
+    """Sends `authorization: Bearer <key>` with every call of a channel that names none."""
+
+    def __init__(self, key: str) -> None:
+        self._header = ("authorization", f"Bearer {key}")
+
+    def _with_key(self, details: Any) -> Any:
+        metadata = tuple(details.metadata or ())
+        if any(name == "authorization" for name, _ in metadata):
+            return details
+        return details._replace(metadata=(*metadata, self._header))
+
+    async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        return await continuation(self._with_key(details), request)
+
+    async def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
+        return await continuation(self._with_key(details), request)
+
+    async def intercept_stream_unary(self, continuation: Any, details: Any, requests: Any) -> Any:
+        return await continuation(self._with_key(details), requests)
+
+    async def intercept_stream_stream(self, continuation: Any, details: Any, requests: Any) -> Any:
+        return await continuation(self._with_key(details), requests)
+
+
 async def start_harness(
-    engine: AsyncEngine, config: ServerConfig | None = None, model_dir: Path | None = None
+    engine: AsyncEngine,
+    config: ServerConfig | None = None,
+    model_dir: Path | None = None,
+    *,
+    bearer: str | None = None,
 ) -> Harness:
+    """A server over `engine`; its channel sends `bearer` as the key of every call (the
+    worker's control key, say) unless the call names its own."""
     running = await start_server(engine, with_transport(config or ServerConfig(port=0)))
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{running.port}")
+    interceptors = [Bearer(bearer)] if bearer else None
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{running.port}", interceptors=interceptors)
     return Harness(engine, running, channel, pb_grpc.VllmEngineStub(channel), model_dir)
 
 

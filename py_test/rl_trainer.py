@@ -8,6 +8,7 @@ process, as for the tiny model itself (real_engine.tiny_model).
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -45,6 +46,41 @@ def _write(base: Path, out: Path) -> None:
         moved[name] = (tensor.float() + 0.5 * scale * noise).to(tensor.dtype).contiguous()
     save_file(moved, str(staging / WEIGHTS))
     staging.rename(out)
+
+
+def _header(path: Path) -> dict[str, object]:
+    raw = path.read_bytes()
+    size = int.from_bytes(raw[:8], "little")
+    header: dict[str, object] = json.loads(raw[8 : 8 + size])
+    header.pop("__metadata__", None)
+    return header
+
+
+def tensor_names(path: Path) -> list[str]:
+    """The tensors of a safetensors file (its header, read by hand)."""
+    return sorted(_header(path))
+
+
+def write_safetensors(
+    target: Path,
+    tensors: dict[str, tuple[str, list[int], bytes]],
+    copy_from: Path | None = None,
+) -> None:
+    """A safetensors file (written by hand: torch stays out of the test process) of
+    `tensors` (name: dtype, shape, raw bytes), after every tensor of `copy_from`."""
+    header: dict[str, object] = {}
+    data = b""
+    if copy_from is not None:
+        raw = copy_from.read_bytes()
+        header = _header(copy_from)
+        data = raw[8 + int.from_bytes(raw[:8], "little") :]
+    for name, (dtype, shape, values) in tensors.items():
+        header[name] = {"dtype": dtype, "shape": shape,
+                        "data_offsets": [len(data), len(data) + len(values)]}  # fmt: skip
+        data += values
+    encoded = json.dumps(header).encode()
+    encoded += b" " * (-len(encoded) % 8)  # the header is padded to 8 bytes
+    target.write_bytes(len(encoded).to_bytes(8, "little") + encoded + data)
 
 
 if __name__ == "__main__":

@@ -158,3 +158,34 @@ async def test_client_disconnect_mid_stream_leaves_nothing_running(
     await wait_until(lambda: real_engine_idle(real), 5.0, "the engine to abort the request")
     after = await real.stub.GetLoads(pb.GetLoadsRequest())
     assert after.requests_in_flight == 0 and after.ranks[0].running_requests == 0
+
+
+async def test_both_routers_serve_chat_in_front_of_a_worker_with_a_control_key(
+    real: Harness, router_ours: str, vllm_router_ours: str
+) -> None:
+    """The session's worker runs as a worker behind a router is deployed, with a control key:
+    both routers (which send no key) serve chat, streamed and not, with the same tokens,
+    while its control RPCs refuse a caller without the key."""
+    import grpc
+
+    from vllm_router.proto import vllm_native_pb2 as npb
+    from vllm_router.proto import vllm_native_pb2_grpc as npb_grpc
+
+    assert real.server.config.control_api_key is not None
+    body = {"model": str(real.model_dir), **chat("Hello worker", max_tokens=12, temperature=0)}
+    answers = {
+        (router, streamed): await ask(base, CHAT, body, streamed)
+        for router, base in (("smg", router_ours), ("vllm-router", vllm_router_ours))
+        for streamed in (False, True)
+    }
+    unary = answers[("smg", False)]
+    assert unary[0] == 200 and unary[1][0][1], unary  # status 200, some text
+    assert answers[("vllm-router", False)][1] == unary[1]
+    for router in ("smg", "vllm-router"):  # streamed: the same text, to the same finish
+        text, finish, _ = answers[(router, True)]
+        assert text == [(0, unary[1][0][1])] and finish == [(0, unary[1][0][3])], router
+    async with grpc.aio.insecure_channel(real.address) as anonymous:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await npb_grpc.ControlStub(anonymous).PauseGeneration(npb.PauseGenerationRequest())
+    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert not await real.engine.is_paused()

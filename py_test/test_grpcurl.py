@@ -15,11 +15,12 @@ from pathlib import Path
 
 import pytest
 
+from vllm_router.contracts.vllm_engine_v1.servicer import VllmEngineServicer
 from vllm_router.proto import vllm_engine_pb2 as pb
 
 import servers
 from harness import Harness, grpcurl_path, require
-from real_engine import tiny_lora
+from real_engine import CONTROL_KEY, tiny_lora
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -120,8 +121,10 @@ async def test_docs_router_grade_commands_on_the_real_engine(real: Harness) -> N
     outputs, errors = {}, {}
     for command in commands:
         args = [_substitute(arg, substitutions) for arg in command[1:]]
-        code, out, err = await _grpcurl(binary, args)
         rpc = command[-1].rsplit("/", 1)[1]
+        if rpc in VllmEngineServicer.control_rpcs:  # `real` has a control key, as deployed
+            args = ["-H", f"authorization: Bearer {CONTROL_KEY}", *args]
+        code, out, err = await _grpcurl(binary, args)
         if rpc == "Embed":  # a generation model: the wrong RPC, said clearly
             assert code != 0 and "FailedPrecondition" in err and "pooling" in err, err
             continue

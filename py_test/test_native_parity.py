@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
 
+from vllm_router.core import lora_paths
 from vllm_router.proto import vllm_native_pb2 as npb
 from vllm_router.proto import vllm_native_pb2_grpc as npb_grpc
 
@@ -189,6 +191,57 @@ async def test_lora_requests_as_vllm_rs(real: Harness, reference: grpc.aio.Chann
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await ctl.UnloadLora(npb.UnloadLoraRequest(lora_name=OURS_LORA))
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+async def _load_lora(channel: grpc.aio.Channel, path: str) -> str:
+    ctl = npb_grpc.ControlStub(channel)
+    try:
+        loaded = await ctl.LoadLora(npb.LoadLoraRequest(lora_name="probe", source_path=path))
+    except grpc.aio.AioRpcError as err:
+        return f"{err.code().name}: {err.details()}"
+    await ctl.UnloadLora(npb.UnloadLoraRequest(lora_name="probe"))
+    return f"OK {loaded.adapter.source_path}"
+
+
+async def test_lora_paths_are_confined_as_vllm_rs_confines_them(
+    real: Harness, reference: grpc.aio.Channel, tmp_path: Path
+) -> None:
+    """Runtime LoadLora on both workers, each allowing the models' folder only (our
+    --lora-allowed-path-prefixes, vllm-rs's VLLM_RUNTIME_LORA_ALLOWED_PATH_PREFIXES): the
+    same answers, but where a path that does not exist is concerned. vllm-rs 0.33 resolves
+    first: a missing path is "must exist" wherever it points; here a missing path outside
+    every prefix is "outside" as an existing one is (no answer tells what exists there),
+    and one missing under a prefix NOT_FOUND "No adapter found", as vllm-rs 0.34 answers."""
+    adapter = real_engine.tiny_lora()
+    escape = adapter.parent / "lora-escape"  # a link under the prefix, to a folder outside
+    escape.unlink(missing_ok=True)
+    escape.symlink_to(tmp_path)
+    cases = {
+        "the adapter": str(adapter),
+        "relative": "./" + adapter.name,
+        "outside": "/etc",
+        "dot-dot out of the prefix": f"{adapter.parent}/../../etc",
+        "a link out of the prefix": str(escape),
+        "missing, outside": "/nonexistent/adapter",
+        "missing, under the prefix": f"{adapter.parent}/no-such-adapter",
+    }
+    try:
+        ours = {name: await _load_lora(real.channel, path) for name, path in cases.items()}
+        theirs = {name: await _load_lora(reference, path) for name, path in cases.items()}
+    finally:
+        escape.unlink()
+    must_exist = "INVALID_ARGUMENT: Local LoRA adapter path must exist and be accessible."
+    assert {name: (ours[name], theirs[name]) for name in cases if ours[name] != theirs[name]} == {
+        "missing, outside": (f"INVALID_ARGUMENT: {lora_paths.OUTSIDE}", must_exist),
+        "missing, under the prefix": (
+            f"NOT_FOUND: No adapter found for {cases['missing, under the prefix']}",
+            must_exist,
+        ),
+    }
+    assert ours["the adapter"] == f"OK {adapter}"
+    assert ours["relative"] == f"INVALID_ARGUMENT: {lora_paths.NOT_ABSOLUTE}"
+    for name in ("outside", "dot-dot out of the prefix", "a link out of the prefix"):
+        assert ours[name] == f"INVALID_ARGUMENT: {lora_paths.OUTSIDE}", name
 
 
 async def test_control_facts_as_vllm_rs(real: Harness, reference: grpc.aio.Channel) -> None:

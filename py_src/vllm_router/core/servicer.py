@@ -23,7 +23,7 @@ from typing import Any, ClassVar, NoReturn, TypeVar
 import grpc
 
 from ..engine import AsyncEngine
-from ..errors import EngineDead, InvalidRequest, status_code, status_for
+from ..errors import EngineDead, EngineOperationFailed, InvalidRequest, status_code, status_for
 from .flight import DirectSend
 from .health import ServingState
 from .lora_paths import LoraPathRule
@@ -78,7 +78,9 @@ class Malformed:
 
 def _status(exc: Exception) -> tuple[grpc.StatusCode, str]:
     code, message = status_for(exc)
-    if code is grpc.StatusCode.INTERNAL:
+    if isinstance(exc, EngineOperationFailed):  # the engine's own refusal, not our bug
+        logger.warning("%s", message)
+    elif code is grpc.StatusCode.INTERNAL:
         logger.error("RPC failed unexpectedly", exc_info=exc)
     return code, message
 

@@ -122,14 +122,16 @@ class WeightFileRule:
     before vLLM is called (the update stays open); vLLM's worker checks again as it opens."""
 
     applies: bool
-    root: str | None
+    worker_root: str | None  # the operator's, read once as the engine starts
+    root: str | None  # the worker's, or what an Init narrowed it to
     # A load that fails in Finish can be undone on this vLLM (weight_reload.abort's names).
     restartable: bool = False
 
     @classmethod
     def of(cls, backend: str, *, restartable: bool) -> WeightFileRule:
         ours = backend == BACKEND
-        return cls(ours, configured_root() if ours else None, ours and restartable)
+        root = configured_root() if ours else None
+        return cls(ours, root, root, ours and restartable)
 
     def outcome(self, exc: Any, *, loads: bool) -> Any:
         """`exc` (an EngineOperationFailed from a weight-update step) with what it left of
@@ -150,8 +152,8 @@ class WeightFileRule:
         """The root an Init with `init_info` sets (the worker's when it names none)."""
         root_dir = init_info.get("root_dir")
         if not self.applies or not isinstance(root_dir, str) or not root_dir:
-            return configured_root() if self.applies else None
-        return self._checked(narrowed_root, configured_root(), root_dir)
+            return self.worker_root
+        return self._checked(narrowed_root, self.worker_root, root_dir)
 
     def check_update(self, update_info: dict[str, Any]) -> None:
         path = update_info.get("path")
@@ -210,7 +212,8 @@ def open_beneath(root: str, path: str, shown: str) -> Iterator[str]:
         opened.append(os.open(root, flags | os.O_DIRECTORY))
         for part in parts[:-1]:
             opened.append(os.open(part, flags | os.O_DIRECTORY, dir_fd=opened[-1]))
-        fd = os.open(parts[-1], flags, dir_fd=opened[-1])
+        # Non-blocking: a fifo (or a device) is refused below at once, not waited on.
+        fd = os.open(parts[-1], flags | os.O_NONBLOCK, dir_fd=opened[-1])
         opened.append(fd)
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise ValueError(f"update_info.path {shown!r} is not a regular file")
