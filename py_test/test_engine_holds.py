@@ -1,7 +1,9 @@
 """The vLLM adapter's held mark (what keeps the progress watchdog from judging a paused or
-sleeping engine) follows what the engine did, not what the caller saw: set before a pause or
-sleep starts, kept when the caller leaves mid-call (the call runs to its end), and, when a
-call fails, taken from the engine's own answer. Unit tests over a stand-in AsyncLLM."""
+sleeping engine) follows what the engine did, not what the caller saw: set when a pause or
+sleep has returned (never while its call is out: a call a wedged core never answers is
+judged), kept when the caller leaves mid-call (the call runs to its end), and, when a call
+fails, taken from the engine's own answer. Unit tests of `VllmEngine.progress()` over a
+stand-in AsyncLLM; the holds' own rules, sleep included: test_holds.py."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from typing import Any
 import pytest
 
 from vllm_router.engine.vllm.adapter import VllmEngine
+from vllm_router.engine.vllm.holds import Holds
 from vllm_router.engine.vllm.stats import LoadBoard
 from vllm_router.errors import ServicerError
 
@@ -60,18 +63,19 @@ def _engine() -> tuple[VllmEngine, _Llm]:
     engine = object.__new__(VllmEngine)  # only the parts a hold uses
     engine._llm = llm  # type: ignore[assignment]
     engine._board = LoadBoard(1)
-    engine._held = False
+    engine._holds = Holds(llm, engine._board.stepped)
     engine._progress = True
     return engine, llm
 
 
-async def test_a_pause_is_held_from_its_start_and_when_its_caller_leaves() -> None:
+async def test_a_pause_is_held_once_it_returns_also_when_its_caller_leaves() -> None:
     engine, llm = _engine()
     llm.release = asyncio.Event()
     caller = asyncio.ensure_future(engine.pause("keep", clear_cache=False))
     await asyncio.sleep(0.01)
-    assert llm.calls == ["pause"] and engine.progress().held  # mid-call: already held
-    assert not engine.progress().busy
+    # Mid-call: nothing held yet, the engine's silence with work owed is judged.
+    assert llm.calls == ["pause"] and not engine.progress().held
+    assert engine.progress().busy
     caller.cancel()  # the caller's deadline
     with pytest.raises(asyncio.CancelledError):
         await caller
@@ -108,7 +112,6 @@ async def test_a_failed_call_asks_the_engine_whether_it_holds(paused_after: bool
         await engine.resume()
     assert engine.progress().held is paused_after
     # And a pause that failed without pausing leaves nothing held.
-    engine._held = False
     llm.paused = False
     with pytest.raises((ServicerError, RuntimeError)):
         await engine.pause("abort", clear_cache=True)

@@ -594,6 +594,8 @@ NATIVE_SUITE = (
     "test_client.py",
     # API key (TLS and unix socket beside TCP: the refusal is asserted on native)
     "test_security.py",
+    # the control key and --no-admin-rpcs: every control RPC, every credential
+    "test_control_key.py",
     # admission and message-size limits, stalled readers, keepalive
     "test_limits.py",
     "test_bad_input.py",

@@ -49,10 +49,11 @@ logger = logging.getLogger(__name__)
 DEFAULT_TIMEOUT_SECONDS = 120.0
 # Stage 2, argued in docs/operations.md ("A stalled engine"): past what the long steps that
 # recover take (a large model's prefill chunk on vLLM-CPU, a LoRA load from slow storage, a
-# compile, a swap storm: seconds to a few minutes), and past vLLM's own limit on one model
-# step where it applies (VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS, 300 s, multiprocess executor
-# only), so that limit, when it exists, speaks first with its own error.
-DEFAULT_EXIT_SECONDS = 600.0
+# compile, a swap storm: seconds to a few minutes), and no later than vLLM's own limit on
+# one model step (VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS, 300 s, which it applies in its
+# multiprocess executor only): every stream on a wedged worker waits until this, and a
+# router cannot retry a stream elsewhere before it ends.
+DEFAULT_EXIT_SECONDS = 300.0
 
 
 class StallStage(enum.IntEnum):

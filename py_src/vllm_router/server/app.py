@@ -35,7 +35,7 @@ from ..core.progress import ProgressWatchdog, StallLimits, silent_for
 from ..defaults import CONTROL_API_KEY_ENV
 from ..engine import AsyncEngine
 from .config import ServerConfig, StartupError
-from .health_service import HealthService
+from .health_service import LIVENESS, HealthService
 from .interceptors import MalformedRequestInterceptor
 from .metrics_http import MetricsEndpoint, start_metrics_endpoint
 from .registry import control_methods, enabled_contracts
@@ -179,6 +179,7 @@ class RunningServer:
             (*self.services, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server
         )
         await self._publish_health(self._health_status)
+        await self.health.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
         with _owner_only_files():
             self._listen()
             await self.server.start()
@@ -330,8 +331,9 @@ def is_local_only(config: ServerConfig) -> bool:
         return False
 
 
-def warn_if_control_is_open(config: ServerConfig) -> None:
-    """The RPCs that change the worker, served to anyone who reaches a non-local address."""
+def warn_if_control_is_open(config: ServerConfig, port: int | None = None) -> None:
+    """The RPCs that change the worker, served to anyone who reaches a non-local address
+    (`port`: the one bound, when --port 0 picked it)."""
     if not config.admin_rpcs or config.control_api_key is not None or is_local_only(config):
         return
     guard = (
@@ -343,7 +345,7 @@ def warn_if_control_is_open(config: ServerConfig) -> None:
         "RPCs that change this worker (LoRA loads, pause, sleep, weight updates, cache "
         "flushes) are served on %s without a control key: %s. Set --control-api-key "
         "(or $%s), or --no-admin-rpcs (docs/operations.md#threat-model)",
-        address(config.host, config.port),
+        address(config.host, config.port if port is None else port),
         guard,
         CONTROL_API_KEY_ENV,
     )
@@ -380,7 +382,7 @@ async def serve(engine: AsyncEngine, config: ServerConfig) -> int:
     logger.info("Start-up heap frozen: %d objects left out of collections (%.2fs)", frozen, took)
     running = await start_server(engine, config)
     running.install_signal_handlers()
-    warn_if_control_is_open(config)
+    warn_if_control_is_open(config, running.port)
     facts = engine.facts
     where = [address(config.host, running.port)] if config.port >= 0 else []
     if config.uds:

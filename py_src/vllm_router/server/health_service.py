@@ -16,6 +16,12 @@ from grpc_health.v1 import health, health_pb2
 
 Status = Any  # health_pb2.HealthCheckResponse.ServingStatus values
 
+# A name that answers SERVING for as long as the process serves at all (until its drain):
+# a liveness probe's, which must not restart a worker for what the worker decides itself
+# (a stall it may recover from, until --engine-stall-exit-seconds; a part-loaded model a
+# trainer is replacing) but must find a process that answers nothing.
+LIVENESS = "vllm_servicer.liveness"
+
 
 class HealthService(health.aio.HealthServicer):
     def __init__(self) -> None:

@@ -60,11 +60,23 @@ KEYS = (
 
 
 def check_keys(config: ServerConfig) -> None:
-    """An empty key, from a flag or from a variable that is set but empty (a Secret that did
-    not arrive), is a start-up error: it must never read as "no key"."""
+    """Keys that cannot work are start-up errors: an empty one, from a flag or from a
+    variable that is set but empty, must never read as "no key"; one with whitespace or a
+    control character (a Secret file written with a trailing newline) could never be sent
+    in a gRPC header; a control key equal to the API key guards nothing more."""
     for setting, what, where in KEYS:
-        if getattr(config, setting) == "":
+        key = getattr(config, setting)
+        if key == "":
             raise StartupError(f"the {what} must not be empty ({where})")
+        if key is not None and any(c.isspace() or not c.isprintable() for c in key):
+            raise StartupError(
+                f"the {what} contains whitespace or a control character, which no gRPC "
+                f"client can send ({where}; a trailing newline from a file?)"
+            )
+    if config.control_api_key is not None and config.control_api_key == config.api_key:
+        raise StartupError(
+            "the control API key must differ from the API key: every client holds the API key"
+        )
 
 
 def _bearer(key: str | None) -> bytes | None:

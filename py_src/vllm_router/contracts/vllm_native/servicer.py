@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import functools
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
-from contextlib import AbstractAsyncContextManager
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import TypeAlias
 
 import grpc
@@ -124,14 +123,26 @@ class NativeControlServicer(ContractServicer, npb_grpc.ControlServicer):
         if not self._engine.facts.supports_lora:
             raise NotConfigured(convert.NO_LORA)
 
-    def _operation(
-        self, name: str, context: Context, **attributes: str | int | bool
-    ) -> AbstractAsyncContextManager[None]:
-        """Hold the engine for one RL operation (core.operations: one at a time, in
-        arrival order, as vllm-rs serializes them; measured and traced). Checks run
-        before it."""
+    async def _operation(
+        self,
+        name: str,
+        context: Context,
+        work: Callable[[], Awaitable[object]],
+        step: Step | None = None,
+        **attributes: str | int | bool,
+    ) -> None:
+        """Run one RL operation holding the engine (core.operations: one at a time, in
+        arrival order, as vllm-rs serializes them, to the end of the engine's call even
+        when the caller leaves; measured and traced), as `step` of the weight-update
+        sequence when it is one (core.weight_updates). Checks run before it."""
         trace = trace_headers(context.invocation_metadata())
-        return self.core.operations.run(name, trace, attributes)
+        if step is not None:
+            work = functools.partial(self._weight_step, step, work)
+        await self.core.operations.run(name, trace, attributes, work)
+
+    async def _weight_step(self, step: Step, work: Callable[[], Awaitable[object]]) -> None:
+        async with self.core.weight_updates.step(step):
+            await work()
 
     def _require_weight_transfer(self) -> None:
         if not self._engine.facts.weight_transfer_backend:
@@ -219,8 +230,8 @@ class NativeControlServicer(ContractServicer, npb_grpc.ControlServicer):
     ) -> npb.PauseGenerationResponse:
         mode, clear_cache = convert.pause(request)
         await self._state.require_engine()
-        async with self._operation("pause", context, mode=mode, clear_cache=clear_cache):
-            await self._engine.pause(mode, clear_cache)
+        pause = functools.partial(self._engine.pause, mode, clear_cache)
+        await self._operation("pause", context, pause, mode=mode, clear_cache=clear_cache)
         return npb.PauseGenerationResponse()
 
     @handles_errors
@@ -228,8 +239,7 @@ class NativeControlServicer(ContractServicer, npb_grpc.ControlServicer):
         self, request: npb.ResumeGenerationRequest, context: Context
     ) -> npb.ResumeGenerationResponse:
         await self._state.require_engine()
-        async with self._operation("resume", context):
-            await self._engine.resume()
+        await self._operation("resume", context, self._engine.resume)
         return npb.ResumeGenerationResponse()
 
     @handles_errors
@@ -243,15 +253,15 @@ class NativeControlServicer(ContractServicer, npb_grpc.ControlServicer):
     async def Sleep(self, request: npb.SleepRequest, context: Context) -> npb.SleepResponse:
         level, mode = convert.sleep(request)
         await self._state.require_engine()
-        async with self._operation("sleep", context, level=level, mode=mode):
-            await self._engine.sleep(level, mode)
+        sleep = functools.partial(self._engine.sleep, level, mode)
+        await self._operation("sleep", context, sleep, level=level, mode=mode)
         return npb.SleepResponse()
 
     @handles_errors
     async def WakeUp(self, request: npb.WakeUpRequest, context: Context) -> npb.WakeUpResponse:
         await self._state.require_engine()
-        async with self._operation("wake_up", context):
-            await self._engine.wake_up(list(request.tags) or None)
+        wake_up = functools.partial(self._engine.wake_up, list(request.tags) or None)
+        await self._operation("wake_up", context, wake_up)
         return npb.WakeUpResponse()
 
     @handles_errors
@@ -268,9 +278,8 @@ class NativeControlServicer(ContractServicer, npb_grpc.ControlServicer):
         self._require_weight_transfer()
         init_info = convert.json_object(request.init_info_json, "init_info_json")
         await self._state.require_engine()
-        async with self._operation("init_weight_transfer", context):
-            async with self.core.weight_updates.step(Step.INIT):
-                await self._engine.init_weight_transfer(init_info)
+        init = functools.partial(self._engine.init_weight_transfer, init_info)
+        await self._operation("init_weight_transfer", context, init, Step.INIT)
         return npb.InitWeightTransferEngineResponse()
 
     @handles_errors
@@ -279,9 +288,8 @@ class NativeControlServicer(ContractServicer, npb_grpc.ControlServicer):
     ) -> npb.StartWeightUpdateResponse:
         self._require_weight_transfer()
         await self._state.require_engine()
-        async with self._operation("start_weight_update", context, draft=False):
-            async with self.core.weight_updates.step(Step.START):
-                await self._engine.start_weight_update(draft=False)
+        start = functools.partial(self._engine.start_weight_update, draft=False)
+        await self._operation("start_weight_update", context, start, Step.START, draft=False)
         return npb.StartWeightUpdateResponse()
 
     @handles_errors
@@ -292,9 +300,8 @@ class NativeControlServicer(ContractServicer, npb_grpc.ControlServicer):
         if not self._engine.facts.draft_weight_updates:
             raise NotConfigured(NO_DRAFT_MODEL)
         await self._state.require_engine()
-        async with self._operation("start_weight_update", context, draft=True):
-            async with self.core.weight_updates.step(Step.START):
-                await self._engine.start_weight_update(draft=True)
+        start = functools.partial(self._engine.start_weight_update, draft=True)
+        await self._operation("start_weight_update", context, start, Step.START, draft=True)
         return npb.StartDraftWeightUpdateResponse()
 
     @handles_errors
@@ -304,9 +311,8 @@ class NativeControlServicer(ContractServicer, npb_grpc.ControlServicer):
         self._require_weight_transfer()
         update_info = convert.json_object(request.update_info_json, "update_info_json")
         await self._state.require_engine()
-        async with self._operation("update_weights", context):
-            async with self.core.weight_updates.step(Step.UPDATE):
-                await self._engine.update_weights(update_info)
+        update = functools.partial(self._engine.update_weights, update_info)
+        await self._operation("update_weights", context, update, Step.UPDATE)
         return npb.UpdateWeightsResponse()
 
     @handles_errors
@@ -318,9 +324,10 @@ class NativeControlServicer(ContractServicer, npb_grpc.ControlServicer):
         if request.HasField("weight_version"):
             version = convert.weight_version(request.weight_version)
         await self._state.require_engine()
-        async with self._operation("finish_weight_update", context, weight_version=version or ""):
-            async with self.core.weight_updates.step(Step.FINISH):
-                await self._engine.finish_weight_update(version)
+        finish = functools.partial(self._engine.finish_weight_update, version)
+        await self._operation(
+            "finish_weight_update", context, finish, Step.FINISH, weight_version=version or ""
+        )
         return npb.FinishWeightUpdateResponse()
 
     @handles_errors
@@ -329,8 +336,8 @@ class NativeControlServicer(ContractServicer, npb_grpc.ControlServicer):
     ) -> npb.UpdateWeightVersionResponse:
         version = convert.weight_version(request.weight_version)
         await self._state.require_engine()
-        async with self._operation("update_weight_version", context, weight_version=version):
-            await self._engine.set_weight_version(version)
+        set_version = functools.partial(self._engine.set_weight_version, version)
+        await self._operation("update_weight_version", context, set_version, weight_version=version)
         return npb.UpdateWeightVersionResponse()
 
     @handles_errors

@@ -60,6 +60,7 @@ from .facts import model_facts, read_tokenizer_files
 from .fast_outputs import FastOutputs
 from .file_weights import NO_ROOT, WeightFileRule
 from .generate import lean_steps, request_output_steps
+from .holds import Holds
 from .kv_events import kv_event_batches, kv_event_sources
 from .lora import LoraRegistry
 from .media_inputs import media_input, processed_input
@@ -121,7 +122,7 @@ class VllmEngine:
         )
         self._board = board
         # Paused or asleep by our own call: its requests are held on purpose, not stuck.
-        self._held = False
+        self._holds = Holds(llm, board.stepped)
         self._progress = ENGINE_PROGRESS in self.features
         if LOAD_FIGURES not in self.features:
             board.unmeasured()  # figures this vLLM does not give are unknown, never 0
@@ -195,7 +196,7 @@ class VllmEngine:
     def progress(self) -> EngineProgress:
         if not self._progress:
             return EngineProgress(busy=False, last_step=None)
-        held = self._held
+        held = self._holds.held
         busy = not held and bool(self._llm.output_processor.request_states)
         return EngineProgress(busy=busy, last_step=self._board.last_step, held=held)
 
@@ -259,60 +260,21 @@ class VllmEngine:
         )
 
     async def pause(self, mode: PauseMode, clear_cache: bool) -> None:
-        self._held = True
-        await self._settled(self._llm.pause_generation, mode=mode, clear_cache=clear_cache)
+        await self._holds.pause(mode, clear_cache)
 
     async def resume(self) -> None:
-        await self._settled(self._llm.resume_generation, releases=True)
-
-    async def _settled(
-        self,
-        operation: Callable[..., Awaitable[object]],
-        *args: Any,
-        releases: bool = False,
-        **kwargs: Any,
-    ) -> None:
-        """A call that holds the engine's requests (pause, sleep: marked held before it
-        starts, so nothing it stops is judged stuck meanwhile) or releases them (resume,
-        wake-up), run to its end even when its caller leaves: vLLM's call is not cut in
-        half by a deadline, and the held mark follows what the engine did. When the call
-        fails, the engine is asked whether it holds its requests."""
-        if self._llm.errored:
-            raise EngineDead("vLLM engine is dead; retry on another worker")
-        settling = asyncio.ensure_future(self._settle(operation(*args, **kwargs), releases))
-        settling.add_done_callback(_retrieved)  # a caller that left does not read it
-        await asyncio.shield(settling)
-
-    async def _settle(self, call: Awaitable[object], releases: bool) -> None:
-        try:
-            await call
-        except Exception as exc:
-            await self._ask_held()
-            reraise(exc)
-        if releases:
-            self._release()
-
-    async def _ask_held(self) -> None:
-        try:
-            self._held = bool(await self._llm.is_paused()) or bool(await self._llm.is_sleeping())
-        except Exception as exc:  # a dead engine is found by its own paths
-            logger.warning("Could not ask the engine whether it is paused or asleep: %s", exc)
-
-    def _release(self) -> None:
-        self._held = False
-        self._board.stepped()  # held requests start moving now, not when they were held
+        await self._holds.resume()
 
     async def is_paused(self) -> bool:
         return bool(await self._call(self._llm.is_paused))
 
     async def sleep(self, level: int, mode: PauseMode) -> None:
         self._require_sleep_mode()
-        self._held = True
-        await self._settled(self._llm.sleep, level, mode)
+        await self._holds.sleep(level, mode)
 
     async def wake_up(self, tags: list[str] | None) -> None:
         self._require_sleep_mode()
-        await self._settled(self._llm.wake_up, tags, releases=True)
+        await self._holds.wake_up(tags)
 
     async def is_sleeping(self) -> bool:
         return bool(await self._call(self._llm.is_sleeping))
@@ -568,9 +530,3 @@ def _reasoning_gate(request: GenerationRequest) -> dict[str, Any]:
     if request.reasoning_kwargs is not None:
         gate["reasoning_parser_kwargs"] = dict(request.reasoning_kwargs)
     return gate
-
-
-def _retrieved(task: asyncio.Future[None]) -> None:
-    """Read a finished task's outcome, so that one nobody awaited is not reported unread."""
-    if not task.cancelled():
-        task.exception()

@@ -68,11 +68,11 @@ def register() -> None:
 
 def _register() -> None:
     try:
-        from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
-    except ImportError:  # a vLLM without weight transfer: nothing to register
+        from vllm.distributed.weight_transfer import factory
+    except ModuleNotFoundError:  # a vLLM without weight transfer: nothing to register
         return
-    try:
-        WeightTransferEngineFactory.register_engine(
+    try:  # a factory without the class or its method is drift: raised, and logged above
+        factory.WeightTransferEngineFactory.register_engine(
             BACKEND, "vllm_router.engine.vllm.file_weights_engine", "FileWeightTransferEngine"
         )
     except ValueError:  # registered already (vLLM refuses a name twice): harmless
