@@ -19,7 +19,8 @@ from typing import Any
 
 import pytest
 
-from vllm_router.engine.vllm import cpu_amx, file_weights
+import vllm_router.engine.vllm.cpu_amx as cpu_amx
+import vllm_router.engine.vllm.file_weights as file_weights
 
 from real_engine import require_vllm, tiny_model
 from vllm_servers import free_port, stop_process_group
