@@ -17,6 +17,7 @@ from vllm_router.proto import vllm_native_pb2_grpc as npb_grpc
 from vllm_router.server import ServerConfig
 from vllm_router.server.app import preflight
 from vllm_router.server.config import StartupError
+from vllm_router.server.health_service import LIVENESS
 from vllm_router.server.registry import CONTRACTS
 
 from harness import Harness, StartServer, read_rest, request, scrape, wait_until
@@ -91,6 +92,8 @@ async def test_a_stall_that_recovers_takes_the_worker_out_of_rotation_and_back(
     await native.read()
     await wait_until(lambda: _stage(harness) is StallStage.OUT_OF_ROTATION, timeout=STALL)
     assert await _health(harness) == {NOT_SERVING}
+    liveness = health_pb2.HealthCheckRequest(service=LIVENESS)  # the process still serves
+    assert (await health_pb2_grpc.HealthStub(harness.channel).Check(liveness)).status == SERVING
     code, details = await _refused(harness)
     assert code == grpc.StatusCode.UNAVAILABLE and "out of rotation" in details, details
     assert (await _stalls(harness))["gauge"] == 1
@@ -170,8 +173,10 @@ async def test_a_stalled_engine_whose_streams_all_left_is_asked(
 
 
 async def test_a_slow_step_that_recovers_is_only_slow(start_mock: StartServer) -> None:
+    """A step slower than usual but under the first limit: the worker never leaves rotation
+    (not left and come back: the stalls counter says it never left)."""
     harness = await start_mock(
-        _config(), step_delay=0.002, stall_after_tokens=5, stall_seconds=TIMEOUT / 2
+        _config(metrics_port=0), step_delay=0.002, stall_after_tokens=5, stall_seconds=TIMEOUT / 2
     )
     messages = await read_rest(harness.stub.GenerateStream(request([10], max_tokens=40)))
     assert sum(len(m.token_ids) for m in messages) == 40
@@ -179,6 +184,9 @@ async def test_a_slow_step_that_recovers_is_only_slow(start_mock: StartServer) -
     assert harness.server.exit_code == 0
     assert not harness.server.state.engine_dead
     assert _stage(harness) is StallStage.PROGRESSING
+    assert await _stalls(harness) == {
+        "out_of_rotation": 0, "recovered": 0, "failed": 0, "gauge": 0
+    }  # fmt: skip
 
 
 async def test_idle_paused_or_unread_is_no_stall(start_mock: StartServer) -> None:
@@ -195,10 +203,14 @@ async def test_idle_paused_or_unread_is_no_stall(start_mock: StartServer) -> Non
     assert _stage(harness) is StallStage.PROGRESSING and await _health(harness) == {SERVING}
     await control.ResumeGeneration(npb.ResumeGenerationRequest())
     assert sum(len(m.token_ids) for m in await read_rest(held)) == 19
-    # A client that reads nothing: its step waits for the client, the engine owes nothing.
+    # A client that reads nothing, past both limits: its step waits for the client, the
+    # engine owes nothing; the worker stays in rotation and its stream is not failed.
     unread = harness.stub.GenerateStream(request([10], max_tokens=4000))
     await unread.read()
-    await asyncio.sleep(TIMEOUT * 1.5)
+    await asyncio.sleep(EXIT + 1.0)
+    assert _stage(harness) is StallStage.PROGRESSING and await _health(harness) == {SERVING}
+    assert silent_for(harness.engine) == 0.0
+    assert len(harness.server.requests.in_flight) == 1  # still open, not failed
     unread.cancel()
     assert harness.server.exit_code == 0
     assert not harness.server.state.engine_dead

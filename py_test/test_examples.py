@@ -16,13 +16,14 @@ from vllm_router.contracts.vllm_grpc_engine.servicer import SERVICE_NAME as VLLM
 from vllm_router.core import ServicerMetrics
 from vllm_router.dataclass_flags import from_args
 from vllm_router.server import ServerConfig
+from vllm_router.server.health_service import LIVENESS
 from vllm_router.vllm_servicer import SERVICE_NAME
 
 from harness import require
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 # Health service names the server publishes on grpc.health.v1 ("" = the whole server).
-PUBLISHED = {"", SERVICE_NAME, VLLM_GRPC_SERVICE}
+PUBLISHED = {"", SERVICE_NAME, VLLM_GRPC_SERVICE, LIVENESS}
 
 
 @pytest.fixture(scope="module")
@@ -84,21 +85,18 @@ def test_grace_periods_leave_room_for_the_drain(manifests: dict[str, Any]) -> No
 
 def test_probes_follow_the_stall_stages(manifests: dict[str, Any]) -> None:
     """Readiness leaves at the first stall limit (NOT_SERVING on its service name, within a
-    probe); liveness, which hears the same NOT_SERVING, must not restart a worker that is only
-    out of rotation before the second limit, where the worker fails itself (and exits)."""
+    probe). Liveness asks the name that stays SERVING while the process serves at all
+    (test_engine_progress.py shows it through a stall): what the worker decides itself, at
+    --engine-stall-exit-seconds whatever its value (0 included), liveness never pre-empts,
+    and a process that answers nothing is restarted within a few periods."""
     container = _container(manifests)
     config = _config(container)
     first, second = config.engine_stall_timeout_seconds, config.engine_stall_exit_seconds
     assert 0 < first < second
     readiness, liveness = container["readinessProbe"], container["livenessProbe"]
     assert readiness["failureThreshold"] * readiness["periodSeconds"] <= 10
-    # The earliest restart: the first failing probe right at the first limit, then
-    # failureThreshold - 1 more periods.
-    earliest_restart = first + (liveness["failureThreshold"] - 1) * liveness["periodSeconds"]
-    assert earliest_restart > second, (earliest_restart, second)
-    # ...and not so late that a wedged process (one that answers no probe at all) waits
-    # much longer than a stuck engine would.
-    assert earliest_restart < second + 2 * liveness["periodSeconds"]
+    assert liveness["grpc"]["service"] == LIVENESS
+    assert liveness["failureThreshold"] * liveness["periodSeconds"] <= 120
 
 
 def test_dashboard_queries_name_exported_series() -> None:

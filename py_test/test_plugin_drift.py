@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import os
-import subprocess
 import sys
 import textwrap
 import time
@@ -23,14 +22,13 @@ import vllm_router.engine.vllm.cpu_amx as cpu_amx
 import vllm_router.engine.vllm.file_weights as file_weights
 
 from real_engine import require_vllm, tiny_model
-from vllm_servers import free_port, stop_process_group
+from vllm_servers import vllm_openai_server
 
 pytestmark = pytest.mark.vllm
 
 FACTORY = "vllm.distributed.weight_transfer.factory"
 OURS = ("vllm_router_cpu_amx", "vllm_router_file_weights")  # pyproject.toml's entry points
 NOT_REGISTERED = "vllm-servicer's 'file' weight-transfer backend is not registered"
-START_TIMEOUT = 240.0
 
 
 def _raising(exc: BaseException) -> Any:
@@ -240,41 +238,22 @@ def test_vllms_server_starts_in_an_environment_where_both_plugins_fail(tmp_path:
     model = tiny_model()
     (tmp_path / "sitecustomize.py").write_text(SITECUSTOMIZE)
     path = os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH")) if p)
-    env = {**os.environ, "PYTHONPATH": path, "VLLM_CPU_KVCACHE_SPACE": "1"}
-    env.pop("VLLM_PLUGINS", None)  # every plugin of the environment loads, as it would
-    port = free_port()
-    log_path = tmp_path / "vllm-openai.log"
-    base = f"http://127.0.0.1:{port}"
-    command = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-        "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "256",
-        "--enforce-eager", "--gpu-memory-utilization", "0.1",
-    ]  # fmt: skip
-    with open(log_path, "w") as log:
-        process = subprocess.Popen(
-            command,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=env,
-            start_new_session=True,  # its own process group: stop_process_group ends it all
-        )
-        try:
-            started, waited = time.monotonic(), 0.0
-            while True:
-                assert process.poll() is None, f"vLLM's server exited: {log_path.read_text()}"
-                try:
-                    status, _ = _get(base + "/health")
-                    if status == 200:
-                        break
-                except OSError:
-                    pass
-                waited = time.monotonic() - started
-                assert waited < START_TIMEOUT, f"not healthy in {START_TIMEOUT} s: {log_path}"
-                time.sleep(1)
-            status, body = _get(base + "/v1/models")
-            assert status == 200 and str(model).encode() in body
-        finally:
-            stop_process_group(process)
+    # Every plugin of the environment loads in it, as it would in any vLLM server here.
+    assert "VLLM_PLUGINS" not in os.environ
+    flags: dict[str, object] = {
+        "max_model_len": 256,
+        "enforce_eager": True,
+        "gpu_memory_utilization": 0.1,
+    }
+    log_name = "vllm-openai-plugin-drift.log"
+    started = time.monotonic()
+    with vllm_openai_server(
+        model, flags, log_name=log_name, environment={"PYTHONPATH": path}
+    ) as base:
+        waited = time.monotonic() - started
+        status, body = _get(base + "/v1/models")
+        assert status == 200 and str(model).encode() in body
+    log_path = model.parent / log_name
     text = log_path.read_text()
     assert "drift: vLLM's weight-transfer registry broken" in text
     warning = (

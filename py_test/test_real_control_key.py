@@ -6,6 +6,10 @@ tokens); with the key the same calls succeed. The matrix of every RPC runs on th
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Awaitable, Callable
+from typing import Any
+
 import grpc
 import pytest
 from smg_grpc_proto.generated import common_pb2
@@ -22,41 +26,44 @@ from real_engine import CONTROL_KEY, tiny_lora
 pytestmark = pytest.mark.vllm
 
 
-async def _state(real: Harness) -> tuple[list[str], str, bool, list[int]]:
-    """What a refused call must leave as it was (read with the key)."""
+async def _state(real: Harness, *, generate: bool = True) -> tuple[list[str], str, bool, list[int]]:
+    """What a refused call must leave as it was (read with the key; a paused engine is not
+    asked to generate: it would hold the request)."""
     ctl = npb_grpc.ControlStub(real.channel)
     adapters = await real.stub.ListLoraAdapters(pb.ListLoraAdaptersRequest())
     version = await ctl.GetWeightVersion(npb.GetWeightVersionRequest())
     paused = await ctl.IsPaused(npb.IsPausedRequest())
-    greedy = await real.stub.Generate(request([5, 6, 7], max_tokens=8, temperature=0.0))
-    return (
-        sorted(a.name for a in adapters.adapters),
-        version.weight_version,
-        paused.paused,
-        list(greedy.output_token_ids),
-    )
+    tokens: list[int] = []
+    if generate:
+        greedy = await real.stub.Generate(request([5, 6, 7], max_tokens=8, temperature=0.0))
+        tokens = list(greedy.output_token_ids)
+    return sorted(a.name for a in adapters.adapters), version.weight_version, paused.paused, tokens
 
 
-def _calls(channel: grpc.aio.Channel, key: str | None) -> dict[str, object]:
+def _calls(channel: grpc.aio.Channel, key: str | None) -> dict[str, Callable[[], Awaitable[Any]]]:
+    """Each control call, made when called (one at a time: a call starts when it is made)."""
     metadata = (("authorization", f"Bearer {key}"),) if key else None
     ours, native = pb_grpc.VllmEngineStub(channel), npb_grpc.ControlStub(channel)
     smg = vpb_grpc.VllmEngineStub(channel)
     adapter = str(tiny_lora())
     return {
-        "LoadLoraAdapter": ours.LoadLoraAdapter(
+        "LoadLoraAdapter": lambda: ours.LoadLoraAdapter(
             pb.LoadLoraAdapterRequest(name="keyed", path=adapter), metadata=metadata
         ),
-        "vllm.Control/LoadLora": native.LoadLora(
+        "vllm.Control/LoadLora": lambda: native.LoadLora(
             npb.LoadLoraRequest(lora_name="keyed-native", source_path=adapter), metadata=metadata
         ),
-        "UpdateWeightVersion": native.UpdateWeightVersion(
+        "UpdateWeightVersion": lambda: native.UpdateWeightVersion(
             npb.UpdateWeightVersionRequest(weight_version="stolen"), metadata=metadata
         ),
-        "PauseGeneration": native.PauseGeneration(
+        "ResetPrefixCache": lambda: ours.ResetPrefixCache(
+            pb.ResetPrefixCacheRequest(), metadata=metadata
+        ),
+        "FlushCache": lambda: smg.FlushCache(common_pb2.FlushCacheRequest(), metadata=metadata),
+        # Last: with the key it pauses the engine, which then holds any generation.
+        "PauseGeneration": lambda: native.PauseGeneration(
             npb.PauseGenerationRequest(mode=npb.PAUSE_MODE_ABORT), metadata=metadata
         ),
-        "ResetPrefixCache": ours.ResetPrefixCache(pb.ResetPrefixCacheRequest(), metadata=metadata),
-        "FlushCache": smg.FlushCache(common_pb2.FlushCacheRequest(), metadata=metadata),
     }
 
 
@@ -64,26 +71,26 @@ async def test_control_rpcs_need_the_control_key_and_a_refusal_changes_nothing(
     real: Harness,
 ) -> None:
     before = await _state(real)
+    ctl = npb_grpc.ControlStub(real.channel)
     async with grpc.aio.insecure_channel(real.address) as plain:  # no key, as a router
         for key in (None, "wrong-key"):
             for name, call in _calls(plain, key).items():
                 with pytest.raises(grpc.aio.AioRpcError) as err:
-                    await call  # type: ignore[misc]
+                    await call()
                 assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED, (name, key)
                 assert CONTROL_KEY not in (err.value.details() or "")
         assert await _state(real) == before
         # With the key: each one does what it says (and is undone for the session's tests).
-        done = {}
-        for name, call in _calls(plain, CONTROL_KEY).items():
-            done[name] = await call  # type: ignore[misc]
-        ctl = npb_grpc.ControlStub(real.channel)
         try:
-            adapters, version, paused, _ = await _state(real)
+            for call in _calls(plain, CONTROL_KEY).values():
+                await call()
+            adapters, version, paused, _ = await _state(real, generate=False)
             assert {"keyed", "keyed-native"} <= set(adapters)
             assert version == "stolen" and paused
         finally:
             await ctl.ResumeGeneration(npb.ResumeGenerationRequest())
-            await real.stub.UnloadLoraAdapter(pb.UnloadLoraAdapterRequest(name="keyed"))
-            await ctl.UnloadLora(npb.UnloadLoraRequest(lora_name="keyed-native"))
+            for name in ("keyed", "keyed-native"):
+                with contextlib.suppress(grpc.aio.AioRpcError):
+                    await ctl.UnloadLora(npb.UnloadLoraRequest(lora_name=name))
             await ctl.UpdateWeightVersion(npb.UpdateWeightVersionRequest(weight_version=before[1]))
     assert await _state(real) == before

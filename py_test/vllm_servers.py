@@ -82,9 +82,14 @@ def post(url: str, body: dict[str, Any]) -> dict[str, Any]:
 
 @contextlib.contextmanager
 def vllm_openai_server(
-    model: Path, engine_flags: dict[str, object], *extra: str, log_name: str
+    model: Path,
+    engine_flags: dict[str, object],
+    *extra: str,
+    log_name: str,
+    environment: dict[str, str] | None = None,
 ) -> Iterator[str]:
-    """Start `python -m vllm.entrypoints.openai.api_server`; yield its base URL."""
+    """Start `python -m vllm.entrypoints.openai.api_server` (with `environment` added to
+    this process's); yield its base URL once healthy."""
     port = free_port()
     log_path = model.parent / log_name
     with open(log_path, "w") as log:
@@ -105,6 +110,7 @@ def vllm_openai_server(
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,  # its own process group: see stop_process_group
+            env={**os.environ, **(environment or {})},
         )
         base = f"http://127.0.0.1:{port}"
         try:
