@@ -209,7 +209,9 @@ async def test_idle_paused_or_unread_is_no_stall(start_mock: StartServer) -> Non
     await unread.read()
     await asyncio.sleep(EXIT + 1.0)
     assert _stage(harness) is StallStage.PROGRESSING and await _health(harness) == {SERVING}
-    assert silent_for(harness.engine) == 0.0
+    # Owed nothing (grpcio: the step waits for the client) or stepping (native: its sends
+    # are buffered): never a silence that nears a limit.
+    assert silent_for(harness.engine) < TIMEOUT / 2
     assert len(harness.server.requests.in_flight) == 1  # still open, not failed
     unread.cancel()
     assert harness.server.exit_code == 0

@@ -271,10 +271,13 @@ async def _error(call: object) -> tuple[grpc.StatusCode, str]:
 
 
 class _Loads:
-    """Stands in for the mock engine's LoRA calls (it has none): records every load."""
+    """Makes the mock an engine with LoRA (it has none: an engine without it refuses a load,
+    whatever its path) and records every load that reaches it."""
 
     def __init__(self, harness: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
         self.calls: list[tuple[str, str]] = []
+        facts = dataclasses.replace(harness.engine.facts, supports_lora=True)
+        monkeypatch.setattr(harness.engine, "_facts", facts)
         monkeypatch.setattr(harness.engine, "load_lora_adapter", self._load)
         monkeypatch.setattr(harness.engine, "list_lora_adapters", self._list)
 
@@ -304,11 +307,12 @@ async def test_v1_load_lora_adapter_checks_the_path_before_the_engine(
     def load(path: str) -> Any:
         return stub.LoadLoraAdapter(pb.LoadLoraAdapterRequest(name="a", path=path))
 
-    # Unpatched, the mock's own answer shows that an allowed path reached it.
-    assert await _error(load(str(tree["adapter"]))) == (
-        grpc.StatusCode.UNIMPLEMENTED,
-        "the mock engine has no LoRA adapters",
-    )
+    # An engine without LoRA says so first, whatever the path (the mock's own answer).
+    for path in (str(tree["adapter"]), str(tree["outside"])):
+        assert await _error(load(path)) == (
+            grpc.StatusCode.UNIMPLEMENTED,
+            "the mock engine has no LoRA adapters",
+        ), path
     loads = _Loads(harness, monkeypatch)
     refused = {
         str(tree["outside"]): (grpc.StatusCode.INVALID_ARGUMENT, OUTSIDE),
@@ -346,7 +350,6 @@ async def test_native_load_lora_checks_lora_then_the_path_then_calls_the_engine(
 ) -> None:
     harness = await _started(start_mock, str(tree["prefix"]))
     control = npb_grpc.ControlStub(harness.channel)
-    loads = _Loads(harness, monkeypatch)
 
     def load(path: str) -> Any:
         return control.LoadLora(npb.LoadLoraRequest(lora_name="a", source_path=path))
@@ -355,10 +358,8 @@ async def test_native_load_lora_checks_lora_then_the_path_then_calls_the_engine(
     for path in (str(tree["outside"]), str(tree["adapter"]), "org/adapter"):
         answer = await _error(load(path))
         assert answer == (grpc.StatusCode.FAILED_PRECONDITION, native_convert.NO_LORA), path
-    assert loads.calls == []
     # As an engine started with --enable-lora: the path rule comes next, then the engine.
-    facts = dataclasses.replace(harness.engine.facts, supports_lora=True)
-    monkeypatch.setattr(harness.engine, "_facts", facts)
+    loads = _Loads(harness, monkeypatch)
     assert await _error(load(str(tree["outside"]))) == (
         grpc.StatusCode.INVALID_ARGUMENT,
         OUTSIDE,

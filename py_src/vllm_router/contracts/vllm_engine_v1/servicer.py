@@ -235,7 +235,9 @@ class VllmEngineServicer(ContractServicer, pb_grpc.VllmEngineServicer):
         await self._state.require_engine()
         if not request.name or not request.path:
             raise InvalidRequest("LoadLoraAdapter needs both a name and a path")
-        path = self.core.lora_paths.check(request.path)
+        path = request.path
+        if self._engine.facts.supports_lora:  # else the engine says it has no LoRA first
+            path = self.core.lora_paths.check(path)
         await self._engine.load_lora_adapter(request.name, path)
         return pb.LoadLoraAdapterResponse()
 
