@@ -226,7 +226,7 @@ router: $(VENV)/.serve-installed $(VENV)/.real-model-installed $(ROUTER_INSTALLE
 # Benchmarks: vLLM's own gRPC launcher (smg packages, --no-deps so they pull no CUDA vLLM)
 # and matplotlib for the plot live only in the bench environment; SMG's Rust servicer too,
 # under .cache/bench (smg importable only by that target). vLLM's Rust front end is
-# installed for the tests already (see VLLM_RS).
+# installed for the tests already (see VLLM_RS_DIR).
 BENCH_DIR := .cache/bench
 bench: install $(BENCH_DIR)/smg/smg/__init__.py
 	$(BIN)/pip install -q matplotlib 2>&1 | $(QUIET_PIP)

@@ -30,6 +30,7 @@ LAYERS = [
     {
         "vllm_router.cli",
         "vllm_router.client_cli",
+        "vllm_router.flag_reference",
         "vllm_router.vllm_servicer",
         "vllm_router.__main__",
     },

@@ -62,7 +62,11 @@ def _add_our_flags(parser: argparse.ArgumentParser, *, with_vllm: bool) -> None:
     add_flags(mock, MockConfig, prefix="mock_")
     if not with_vllm:  # vLLM's engine flags define it otherwise
         parser.add_argument(
-            "--log-level", default="info", choices=["debug", "info", "warning", "error"]
+            "--log-level",
+            default="info",
+            type=str.lower,  # DEBUG as vLLM's own flag spells it, or debug
+            choices=["debug", "info", "warning", "error"],
+            help="what the log shows",
         )
 
 

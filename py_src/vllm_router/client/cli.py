@@ -234,20 +234,24 @@ def parser() -> argparse.ArgumentParser:
         action="store_true",
         help="PROMPT is a user message, rendered with the model's chat template",
     )
-    gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float)
-    gen.add_argument("--top-p", type=float)
-    gen.add_argument("--seed", type=int)
+    gen.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate")
+    gen.add_argument(
+        "--temperature", type=float, help="sampling temperature (default: the model's)"
+    )
+    gen.add_argument("--top-p", type=float, help="nucleus sampling (default: the model's)")
+    gen.add_argument("--seed", type=int, help="a seed for reproducible sampling")
     gen.add_argument("--stop", action="append", help="a stop string (repeatable)")
-    gen.add_argument("--ignore-eos", action="store_true")
-    gen.add_argument("--request-id", default="")
+    gen.add_argument("--ignore-eos", action="store_true", help="go on past the EOS token")
+    gen.add_argument(
+        "--request-id", default="", help="the request's id (default: the worker makes one)"
+    )
     stop = command("abort", "abort requests in flight by id")
-    stop.add_argument("request_ids", nargs="+")
+    stop.add_argument("request_ids", nargs="+", help="ids of requests in flight")
     load = command("bench", "N streams at concurrency C, then a summary")
-    load.add_argument("-n", "--requests", type=int, default=64)
-    load.add_argument("-c", "--concurrency", type=int, default=8)
-    load.add_argument("--prompt-tokens", type=int, default=32)
-    load.add_argument("--max-tokens", type=int, default=64)
+    load.add_argument("-n", "--requests", type=int, default=64, help="streams in all")
+    load.add_argument("-c", "--concurrency", type=int, default=8, help="streams at once")
+    load.add_argument("--prompt-tokens", type=int, default=32, help="prompt length")
+    load.add_argument("--max-tokens", type=int, default=64, help="tokens per stream")
     load.add_argument("--stream-interval", type=int, default=1, help="a message every N tokens")
     load.add_argument(
         "--batched",

@@ -109,7 +109,9 @@ class ServerConfig:
     # Media URLs (http(s) hosts and the local directory are vLLM's --allowed-media-domains
     # and --allowed-local-media-path; see core.media_admission).
     media_max_bytes: int = _opt(
-        DEFAULT_MEDIA_MAX_BYTES, "largest image (or other media item) a request may carry or name"
+        DEFAULT_MEDIA_MAX_BYTES,
+        "largest image (or other media item) a request may name by URL (items sent inline are "
+        "bounded by --max-message-bytes)",
     )
     media_fetch_timeout_seconds: float = _opt(
         DEFAULT_MEDIA_TIMEOUT, "longest fetch of one media URL; slower is UNAVAILABLE"
