@@ -16,6 +16,7 @@ import pytest
 from batches import Answers, generate, read_all
 from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vpb_grpc
+from test_direct_sends import _all_ended
 from test_transport import _require
 
 from vllm_router.proto import vllm_engine_pb2_grpc as pb_grpc
@@ -30,7 +31,6 @@ from harness import (
     delta,
     request,
     scrape,
-    wait_until,
     without_load,
 )
 
@@ -81,10 +81,6 @@ async def _stream_each_contract(harness: Harness) -> dict[str, list[Any]]:
     for name, call in calls.items():
         streams[name] = [without_load(m) async for m in call]  # type: ignore[attr-defined]
     return streams
-
-
-async def _all_ended(harness: Harness) -> None:
-    await wait_until(lambda: not harness.server.requests.in_flight, what="the table empty")
 
 
 def _check_v1(messages: list[Any]) -> None:
