@@ -1,6 +1,6 @@
 """What a direct send costs us per message on --transport native, beside the transport's own.
 
-Times the server's per-stream direct send (`direct_send_for`: what it needs looked up once)
+Times the server's per-stream transport send (`transport_send`: what it needs looked up once)
 and the general one it replaced (`direct_send`: upstream's encoder, three calls deep) over a
 front whose `stream_try_send` takes every message at once, so what is printed is the Python
 around the FFI call: a native-contract decode step's message, encoded and handed over.
@@ -47,12 +47,12 @@ def main() -> None:
     handler = types.SimpleNamespace(response_serializer=npb.GenerateResponse.SerializeToString)
     call = types.SimpleNamespace(call_id=1, handler=handler)
     context = types.SimpleNamespace(_closed=False)
-    # A decode step's message as the native contract's decode renderer makes it.
+    # A plain step's message as the native contract's direct-step renderer makes it.
     output = npb.SequenceOutput(index=0, num_tokens=1)
     output.token_ids.extend([1234])
     message = npb.GenerateResponse(outputs=output)
-    general = functools.partial(server.direct_send, call, context)
-    per_stream = server.direct_send_for(call, context)
+    general = functools.partial(server.try_send, call, context)
+    per_stream = server.transport_send(call, context)
     print(f"general direct send:    {_per_message_us(general, message):.2f} µs per message")
     print(f"per-stream direct send: {_per_message_us(per_stream, message):.2f} µs per message")
 

@@ -4,7 +4,7 @@ End-to-end runs on a 2-core machine move by tens of percent between identical ru
 more than this cost; this times exactly the per-message work the metrics add, with and
 without them, on both ways a stream's message is sent: the task's (the Flight
 bookkeeping of one engine step and one sent message, `Flight.messages`) and the direct
-send's (one plain decode step handed off to the flight's sink, `Flight.sink`).
+send's (one plain step given direct to the flight's receiver, `Flight.receiver`).
 Prints microseconds per message for both and the difference.
 """
 
@@ -37,23 +37,24 @@ async def per_message_us(metrics: ServicerMetrics | None) -> float:
     return (time.perf_counter() - started) * 1e6 / MESSAGES
 
 
-async def per_handoff_us(metrics: ServicerMetrics | None) -> float:
-    """One stream's plain decode steps handed off to its flight's sink (a send that takes
+async def per_direct_step_us(metrics: ServicerMetrics | None) -> float:
+    """One stream's plain steps given direct to its flight's receiver (a send that takes
     every message), after the first step went the task's way as it does in the engine."""
-    flight = Flight("r", metrics)
-    sink = flight.sink(DirectSend(lambda message: True))
+    flight = Flight("r", metrics, DirectSend(lambda message: True, lambda ids, last, count: ids))
+    receiver = flight.receiver
+    assert receiver is not None
     flight.begin(_steps())
-    async for _ in flight.messages(lambda step: (step,), lambda ids, last, count: ids):
+    async for _ in flight.messages(lambda step: (step,)):
         break
     token_ids = [7]
     started = time.perf_counter()
     for count in range(MESSAGES):
-        sink(token_ids, count)
+        receiver(token_ids, count)
     return (time.perf_counter() - started) * 1e6 / MESSAGES
 
 
 async def main() -> None:
-    for label, measure in (("task's send", per_message_us), ("direct send", per_handoff_us)):
+    for label, measure in (("task's send", per_message_us), ("direct send", per_direct_step_us)):
         runs: dict[str, list[float]] = {"off": [], "on": []}
         for _ in range(5):
             runs["off"].append(await measure(None))

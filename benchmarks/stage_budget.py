@@ -11,7 +11,7 @@ a request takes, direct or through `add_request`).
 
 Per step (µs per stream per engine step; 64 streams in one step): the engine-core outputs'
 msgpack decode, vLLM's output processing of the step (its path), our fast decode step
-(FastOutputs + LeanStream + the hand-off to a sink that takes everything), and each
+(FastOutputs + LeanStream + direct steps to a receiver that takes everything), and each
 contract's render + encode of a decode step's message.
 
 What the Rust front ends do instead of each stage is in benchmarks/results/stage-budget.md.
@@ -240,13 +240,13 @@ def step_stages(engine: Any, number: int) -> dict[str, float]:
     fast = FastOutputs(outputs, count_nans=False)
     taken: list[list[int]] = []
 
-    def sink(token_ids: list[int], completion_tokens: int) -> bool:
+    def receiver(token_ids: list[int], completion_tokens: int) -> bool:
         taken.append(token_ids)
         return True
 
     for i in ids:
         state = outputs.request_states[i]
-        stream = LeanStream(i, state, detokenize=False, prompt_tokens=32, sink=sink)
+        stream = LeanStream(i, state, detokenize=False, prompt_tokens=32, receiver=receiver)
         stream._started = True
         stream._waiter = asyncio.get_event_loop().create_future()
         fast.register(i, stream)
@@ -256,12 +256,11 @@ def step_stages(engine: Any, number: int) -> dict[str, float]:
         outputs.process_outputs(step(7), time.monotonic(), None)
 
     built = timed(lambda: step(7), number) / STREAMS
-    out["ours: fast decode step (FastOutputs, LeanStream, hand-off)"] = (
+    out["ours: fast plain step (FastOutputs, LeanStream, direct step)"] = (
         timed(fast_path, number) / STREAMS - built
     )
     out["vLLM: output processing (its path)"] -= built
-    fast_sink = taken
-    assert fast_sink, "the fast path handed nothing to the sink"
+    assert taken, "the fast path gave the receiver nothing"
     outputs.process_outputs = fast._vllm_path
     for i in ids:
         outputs.request_states.pop(i)
@@ -271,7 +270,7 @@ def step_stages(engine: Any, number: int) -> dict[str, float]:
 
 def render_stages(engine: Any, number: int) -> dict[str, float]:
     """Each contract's rendering of a plain decode step into its message (through the
-    step renderer a task uses and the decode renderer a direct send uses), and the encode."""
+    step renderer a task uses and the direct-step renderer a direct send uses), and the encode."""
     from vllm_router.contracts.vllm_engine_v1 import responses as ours
     from vllm_router.contracts.vllm_grpc_engine import responses as official
     from vllm_router.contracts.vllm_native import responses as native
@@ -283,17 +282,17 @@ def render_stages(engine: Any, number: int) -> dict[str, float]:
         cached_tokens=0,
     )  # fmt: skip
     wanted = native.Wanted.of(npb.ResponseOptions())
-    native_decode = native.decode_outputs(wanted)
-    official_decode = official.decode_chunks()
-    ours_decode = ours.decode_messages("r")
-    # The step renderer (a task's send) and the decode renderer (a direct send) of each.
+    native_decode = native.direct_step_renderer(wanted)
+    official_decode = official.direct_step_renderer()
+    ours_decode = ours.direct_step_renderer("r")
+    # The step renderer (a task's send) and the direct-step renderer (a direct send) of each.
     renders = {
         "native": lambda: native.sequence_output(step, wanted, frozenset()),
-        "native (decode renderer)": lambda: native_decode([7], step, 9),
+        "native (direct-step renderer)": lambda: native_decode([7], step, 9),
         "vllm.grpc.engine": lambda: official.chunk(step, 0, None, 0),
-        "vllm.grpc.engine (decode renderer)": lambda: official_decode([7], step, 9),
+        "vllm.grpc.engine (direct-step renderer)": lambda: official_decode([7], step, 9),
         "vllm.engine.v1": lambda: ours.stream_message("r", step, None),
-        "vllm.engine.v1 (decode renderer)": lambda: ours_decode([7], step, 9),
+        "vllm.engine.v1 (direct-step renderer)": lambda: ours_decode([7], step, 9),
     }
     out: dict[str, float] = {}
     for name, render in renders.items():

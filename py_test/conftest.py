@@ -105,9 +105,9 @@ async def loop_watch() -> AsyncIterator[None]:
 
 @pytest.fixture
 def direct_count(monkeypatch: pytest.MonkeyPatch) -> DirectCount:
-    """Counts the decode steps flights send directly (core/flight.py), and the refused."""
+    """Counts the plain steps flights send directly (core/flight.py), and the refused."""
     count = DirectCount()
-    send = Flight._hand_off
+    send = Flight._receive
 
     def counted(self: Flight, token_ids: list[int], completion_tokens: int) -> bool:
         taken = send(self, token_ids, completion_tokens)
@@ -116,10 +116,10 @@ def direct_count(monkeypatch: pytest.MonkeyPatch) -> DirectCount:
         else:
             count.refused += 1
             count.refused_once_sending += count.sent > 0
-            count.unrendered += self._last_step is None or self._decode is None
+            count.unrendered += self._last_step is None
         return taken
 
-    monkeypatch.setattr(Flight, "_hand_off", counted)
+    monkeypatch.setattr(Flight, "_receive", counted)
     return count
 
 

@@ -110,7 +110,7 @@ class DirectCount:
         self.refused = 0
         self.refused_once_sending = 0
         # Refused with nothing to render the step with (the flight had not rendered the
-        # request's first step): the hand-off rule's fault, never the transport's.
+        # request's first step): the direct-step rule's fault, never the transport's.
         self.unrendered = 0
 
 

@@ -27,7 +27,7 @@ class PathCounts:
 @contextlib.contextmanager
 def counting_paths() -> Iterator[PathCounts]:
     counts = PathCounts()
-    init, decode_step = LeanStream.__init__, LeanStream.decode_step
+    init, plain_step = LeanStream.__init__, LeanStream.plain_step
     register = DirectEntry.register
 
     def counting_register(self: DirectEntry, *args: Any, **kwargs: Any) -> Any:
@@ -39,16 +39,16 @@ def counting_paths() -> Iterator[PathCounts]:
         counts.lean_streams += 1
         init(self, *args, **kwargs)
 
-    def counting_decode_step(self: LeanStream, new_token_ids: list[int]) -> None:
+    def counting_plain_step(self: LeanStream, new_token_ids: list[int]) -> None:
         counts.fast_steps += 1
-        decode_step(self, new_token_ids)
+        plain_step(self, new_token_ids)
 
     LeanStream.__init__ = counting_init  # type: ignore[method-assign]
-    LeanStream.decode_step = counting_decode_step  # type: ignore[method-assign]
+    LeanStream.plain_step = counting_plain_step  # type: ignore[method-assign]
     DirectEntry.register = counting_register  # type: ignore[method-assign]
     try:
         yield counts
     finally:
         LeanStream.__init__ = init  # type: ignore[method-assign]
-        LeanStream.decode_step = decode_step  # type: ignore[method-assign]
+        LeanStream.plain_step = plain_step  # type: ignore[method-assign]
         DirectEntry.register = register  # type: ignore[method-assign]

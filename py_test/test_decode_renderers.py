@@ -1,4 +1,4 @@
-"""Every contract's prebuilt decode renderer (what a direct send renders, core/flight.py)
+"""Every contract's direct-step renderer (what a direct send renders, core/flight.py)
 makes the message its step renderer makes of the same plain decode step, byte for byte:
 a stream's renderer renders one message again for every step, so each step in a row must
 read as its own (nothing left of the step before, more tokens or fewer)."""
@@ -38,7 +38,7 @@ IN_A_ROW = [DECODES[1], DECODES[0], DECODES[2], DECODES[1], DECODES[0]]
 
 
 def test_vllm_engine_v1() -> None:
-    render = v1.decode_messages("req-1")
+    render = v1.direct_step_renderer("req-1")
     for decode in IN_A_ROW:
         made = render(*decode)
         expected = v1.stream_message("req-1", plain(*decode), None)
@@ -47,7 +47,7 @@ def test_vllm_engine_v1() -> None:
 
 
 def test_vllm_grpc_engine() -> None:
-    render = official.decode_chunks()
+    render = official.direct_step_renderer()
     for decode in IN_A_ROW:
         made = render(*decode)
         expected = official.chunk(plain(*decode), 0, None, 0)
@@ -58,7 +58,7 @@ def test_vllm_grpc_engine() -> None:
 @pytest.mark.parametrize("flags", list(itertools.product((False, True), repeat=5)))
 def test_vllm_native(flags: tuple[bool, ...]) -> None:
     wanted = native.Wanted(*flags)
-    render = native.decode_outputs(wanted)
+    render = native.direct_step_renderer(wanted)
     for decode in IN_A_ROW:
         made = render(*decode)
         expected = native.sequence_output(plain(*decode), wanted, frozenset({2}))

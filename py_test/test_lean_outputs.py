@@ -201,9 +201,9 @@ async def test_grpc_clients_on_the_lean_path_are_cancelled_and_counted(real: Har
 async def test_decode_steps_handed_to_the_consumers_sink_keep_their_order(
     real: Harness, name: str
 ) -> None:
-    """`generate(sink=...)`: plain decode steps are handed off to the sink while the consumer
+    """`generate(receiver=...)`: plain steps go direct to the receiver while the consumer
     waits; the steps and the handed-off tokens, in the order they came, are vLLM's own
-    outcome, and the sink is told the request's completion tokens with each."""
+    outcome, and the receiver is told the request's completion tokens with each."""
     _, options = CASES[name]
     reference = await run(real, False, generation(f"ref-h-{name}", **options))
     arrived: list[list[int] | EngineStep] = []
@@ -216,13 +216,13 @@ async def test_decode_steps_handed_to_the_consumers_sink_keep_their_order(
 
     with output_path(real, True):
         request = generation(f"handed-{name}", **options)
-        async for step in real.engine.generate(request, sink=take):
+        async for step in real.engine.generate(request, receiver=take):
             arrived.append(step)
     steps = [a for a in arrived if isinstance(a, EngineStep)]
     handed = [a for a in arrived if not isinstance(a, EngineStep)]
     tokens = [t for a in arrived for t in (a.token_ids if isinstance(a, EngineStep) else a)]
     assert tokens == outcome(reference)["token_ids"]
-    assert len(handed) >= len(tokens) // 2  # most steps were handed off, not yielded
+    assert len(handed) >= len(tokens) // 2  # most steps went direct, not yielded
     produced, counts = 0, []
     for a in arrived:
         produced += len(a.token_ids if isinstance(a, EngineStep) else a)

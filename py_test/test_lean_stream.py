@@ -1,4 +1,4 @@
-"""LeanStream's hand-off rules without vLLM: driven through the request state's
+"""LeanStream's rules without vLLM: driven through the request state's
 `make_request_output` and `queue.put`, exactly as vLLM's OutputProcessor calls them."""
 
 from __future__ import annotations

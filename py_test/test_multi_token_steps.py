@@ -1,5 +1,5 @@
 """Engine steps that carry several tokens (the mock's `tokens_per_step`; speculative decoding
-on a real engine: test_real_multi_token.py), handed off to a stream's direct send or a
+on a real engine: test_real_multi_token.py), given direct to a stream's direct send or a
 batched stream's lane: every contract streams exactly the tokens the engine made, a message
 per step, each counted once and at its full size (usage, the final counts, the servicer's
 token counter); and the servicer's gaps between a direct stream's messages add up to the
@@ -36,7 +36,7 @@ from harness import (
 
 # Three tokens a step, 40 tokens a request: 13 steps of three, then one of one (the length
 # limit ends the 14th step at its first token). The first and the last step go through the
-# request's task; the 12 between them are handed off (engine/handoff.py).
+# request's task; the 12 between them go direct (engine/direct.py).
 PER_STEP = 3
 MAX_TOKENS = 40
 SIZES = [PER_STEP] * 13 + [1]

@@ -161,7 +161,7 @@ async def test_drain_aborts_what_outlives_the_grace(start_mock: StartServer) -> 
 class _BuggyEngine(MockAsyncEngine):
     """An engine whose generate has a bug of ours: a plain ValueError, not a client error."""
 
-    async def generate(self, request, *, sink=None):  # type: ignore[override]
+    async def generate(self, request, *, receiver=None):  # type: ignore[override]
         raise ValueError("bug: something nobody anticipated")
         yield  # pragma: no cover
 

@@ -171,7 +171,7 @@ def test_native_without_what_a_direct_send_reads_is_refused(
 
 
 def test_a_direct_send_takes_what_upstreams_send_takes_and_fails_what_it_fails() -> None:
-    """`direct_send_for` looks up once what upstream's encoder looks up per message; what
+    """`transport_send` looks up once what upstream's encoder looks up per message; what
     is not plain bytes under the send limit goes upstream's way, which fails the call."""
     _require("native")
     import pygrpc_native
@@ -205,7 +205,7 @@ def test_a_direct_send_takes_what_upstreams_send_takes_and_fails_what_it_fails()
     handler = grpc.unary_stream_rpc_method_handler(None, response_serializer=serialize)
     call, context = types.SimpleNamespace(call_id=7, handler=handler), types.SimpleNamespace()
     context._closed = False
-    send = server.direct_send_for(call, context)
+    send = server.transport_send(call, context)
     assert send(b"one") is True and send(b"two") is False  # taken; the client's window full
     assert sent == [(7, b"one"), (7, b"two")]
     assert send(b"far too long") is False and send(unencodable) is False

@@ -1,6 +1,6 @@
 """The vLLM compatibility layer on the real engine: every touch point matches this vLLM; one that
 does not turns its feature off with one log line and the worker serves through vLLM's public
-path; a failure inside the lean output hand-off fails that request alone (fault injection)."""
+path; a failure inside the lean output path fails that request alone (fault injection)."""
 
 from __future__ import annotations
 

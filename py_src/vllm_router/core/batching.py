@@ -1,7 +1,7 @@
 """Many requests on one stream: the serving side of a batched generation RPC.
 
 A single-request stream pays gRPC's per-message cost (a write batch, a completion, a
-loop wake-up, a socket write: ~30 µs here) once per token per request. A router holds
+loop wake-up, a socket write) once per token per request. A router holds
 one connection per worker anyway, so a contract may offer one stream that carries many
 requests; its handler hands each request to a `BatchSession` and sends, one message
 each, what `BatchSession.sends` yields: what the session's `Outbox` collected since the
@@ -14,9 +14,9 @@ all. A request waits until the message holding its news is sent before it takes 
 next step (the steps merge meanwhile, as on a single-request stream), so a client that
 reads slowly is sent fewer, larger messages and never makes the engine wait.
 
-A request's plain decode steps (new token ids, nothing else) need none of that: the
-engine hands them off to the request's `Lane` (its sink, engine/handoff.py) from its output
-loop while the request's task waits for something else (its finish), and the lane
+A request's plain steps (new token ids, nothing else) need none of that: the engine
+gives them direct to the request's `Lane` (its receiver, engine/direct.py) from its
+output loop while the request's task waits for something else (its finish), and the lane
 appends them to the outbox's pending message. No task wakes, no step object is built, and
 steps that arrive while a message is being sent merge into the next one. The task still
 takes the first step, the last, errors and anything else, and claims what its lane holds
@@ -59,7 +59,8 @@ STALLED = "the client stopped reading this stream; the request was aborted"
 
 
 class Lane:
-    """One request's sink: where the engine hands its plain decode steps off to.
+    """A batched stream's receiver for one request: where the engine gives its plain steps
+    direct (engine/direct.py).
 
     Called from inside the engine's output loop, once per request per step: it only
     appends (the first tokens since the last message also queue the lane in the outbox).
@@ -276,7 +277,7 @@ class BatchSession(Generic[Update, Error]):
     async def _run(self, request_id: str, generation: GenerationRequest, lane: Lane) -> None:
         started = False  # has the engine produced anything for it (else it was refused)
         try:
-            async with self._table.run(generation, handoff=lane) as flight:
+            async with self._table.run(generation, receiver=lane) as flight:
                 # The session's sender is what a stalled client blocks.
                 flight.send_clock = self.outbox
                 async for step in flight.steps():

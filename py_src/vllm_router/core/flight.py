@@ -4,15 +4,15 @@
 engine, so the bookkeeping every contract needs (token and finish counters, the timing
 histograms, what the stall watchdog watches, a drain abort told as UNAVAILABLE) is here once.
 
-A stream on a transport with a direct send (`DirectSend`: a send that never waits, such as
-pygrpc-native's) is fed straight from engine steps: the flight is the sink the engine hands
-the request's plain decode steps off to (engine/handoff.py, which alone says which steps),
+A stream on a transport with a direct send (a send that never waits, such as
+pygrpc-native's) is fed straight from engine steps: the flight is the receiver the engine
+gives the request's plain steps to direct (engine/direct.py, which alone says which steps),
 renders each into the stream's next message from the engine's output loop (the contract's
-`DecodeRenderer`, prebuilt for the stream) and passes it to the direct send. No task wakes,
-no generator resumes. When the transport cannot take it (the client's window is full) the
-step is refused, the engine buffers it and the request's task sends it the awaited way,
-merged with the steps that arrive meanwhile: steps coalesce only under back-pressure, and
-a token is never held back while the pipe is free.
+`DirectStepRenderer`, prebuilt for the stream) and passes it to the direct send. No task
+wakes, no generator resumes. When the transport cannot take it (the client's window is
+full) the step is refused, the engine buffers it and the request's task sends it the
+awaited way, merged with the steps that arrive meanwhile: steps coalesce only under
+back-pressure, and a token is never held back while the pipe is free.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
-from ..engine import EngineStep, HandoffSink
+from ..engine import DirectReceiver, EngineStep
 from ..errors import EngineUnavailable
 from .metrics import ServicerMetrics
 
@@ -38,24 +38,28 @@ SHUT_DOWN = (
 )
 
 
+# A stream's send that never waits, as its transport gives it: `send(message)` sends one
+# response message; True if the transport took it (it goes out after every message before
+# it), False if it cannot now (the client's flow-control window is full, or the stream has
+# ended). It never blocks or raises.
+TransportSend = Callable[[Any], bool]
+
+# A contract's prebuilt rendering of a plain step (new token ids and nothing else) into the
+# stream's message: the same message its step renderer makes of that step, built without
+# an EngineStep. Called with the new token ids, the step rendered before it (prompt and
+# cached token counts, sample index) and the request's completion tokens with them. One per
+# stream, and it may return the same message object every call, rendered again (cheaper
+# than building one: benchmarks/results/per-message-python.md): whoever calls it encodes
+# the message before calling it again, as a direct send does.
+DirectStepRenderer = Callable[[list[int], EngineStep, int], Any]
+
+
 @dataclass(frozen=True, slots=True)
 class DirectSend:
-    """A stream's direct send, as its transport gives it: `send(message)` sends one response
-    message without waiting; True if the transport took it (it goes out after every message
-    before it), False if it cannot now (the client's flow-control window is full, or the
-    stream has ended). It never blocks or raises."""
+    """A stream's direct send: the transport's send and the contract's renderer for it."""
 
-    send: Callable[[Any], bool]
-
-
-# A contract's prebuilt rendering of a plain decode step (new token ids and nothing else)
-# into the stream's message: the same message its step renderer makes of that step, built
-# without an EngineStep. Called with the new token ids, the step rendered before it (prompt
-# and cached token counts, sample index) and the request's completion tokens with them.
-# One per stream, and it may return the same message object every call, rendered again
-# (render + encode: 1.7-2.3 µs building a message per token, 0.8-0.9 rendering one again):
-# whoever calls it encodes the message before calling it again, as a direct send does.
-DecodeRenderer = Callable[[list[int], EngineStep, int], Any]
+    send: TransportSend
+    render: DirectStepRenderer
 
 
 class SendClock(Protocol):
@@ -72,11 +76,18 @@ class Flight:
     no contract can forget that a drain abort is UNAVAILABLE, not an answer.
     """
 
-    __slots__ = ("_decode", "_direct_send", "_engine_steps", "_last_sent", "_last_step",
+    __slots__ = ("_direct", "_engine_steps", "_last_sent", "_last_step",
                  "_metrics", "_started", "failure", "request_id", "send_clock", "sending_since",
                  "shut_down", "task")  # fmt: skip
 
-    def __init__(self, request_id: str, metrics: ServicerMetrics | None) -> None:
+    def __init__(
+        self,
+        request_id: str,
+        metrics: ServicerMetrics | None,
+        direct_send: DirectSend | None = None,
+    ) -> None:
+        """`direct_send`: the stream's, through which the flight sends its plain steps itself
+        (`receiver`); None: every step is the task's to send."""
         self.request_id = request_id
         self.task = asyncio.current_task()
         # Monotonic time since which a message has been waiting for the client to take it.
@@ -92,17 +103,16 @@ class Flight:
         self._started = time.monotonic()
         self._last_sent: float | None = None
         self._engine_steps: AsyncIterator[EngineStep] | None = None
-        # Its hand-off (`sink`): the stream's direct send, its decode renderer once
-        # `messages` runs, and the last step it rendered.
-        self._direct_send: Callable[[Any], bool] | None = None
-        self._decode: DecodeRenderer | None = None
+        # Its direct send, and the last step the task rendered (what a plain step's
+        # message takes its prompt and cached token counts from).
+        self._direct = direct_send
         self._last_step: EngineStep | None = None
 
-    def sink(self, direct_send: DirectSend) -> HandoffSink:
-        """The sink the engine hands this request's plain decode steps off to, sending each
-        as the stream's next message through `direct_send` (see the module docstring)."""
-        self._direct_send = direct_send.send
-        return self._hand_off
+    @property
+    def receiver(self) -> DirectReceiver | None:
+        """What the engine gives this request's plain steps to direct (None without a
+        direct send): each is sent as the stream's next message (see the module docstring)."""
+        return self._receive if self._direct is not None else None
 
     def begin(self, engine_steps: AsyncIterator[EngineStep]) -> None:
         """The request runs in the engine now; these are its steps."""
@@ -116,13 +126,10 @@ class Flight:
             yield step
 
     async def messages(
-        self,
-        render: Callable[[EngineStep], Sequence[Message]],
-        decode: DecodeRenderer | None = None,
+        self, render: Callable[[EngineStep], Sequence[Message]]
     ) -> AsyncIterator[Message]:
-        """The messages `render` makes of each step, as a stream handler yields them to gRPC;
-        `decode`, the same message for a plain decode step, rendered without building the
-        step: what the flight's sink renders (none: every step is the task's to send).
+        """The messages `render` makes of each step, as a stream handler yields them to gRPC
+        (the direct send's renderer makes the same message of a plain step).
 
         The generator resumes once gRPC has sent a message; a client that stops reading
         keeps it suspended at the yield, which the stall watchdog sees
@@ -130,7 +137,6 @@ class Flight:
         through `steps()`: one async-generator layer less per token.
         """
         assert self._engine_steps is not None, "the flight has not started in the engine"
-        self._decode = decode
         async for step in self._engine_steps:
             self._record(step)
             self._last_step = step
@@ -139,17 +145,15 @@ class Flight:
                 yield message
                 self.sending_since = None
 
-    def _hand_off(self, token_ids: list[int], completion_tokens: int) -> bool:
-        """The flight's sink: a plain decode step, from the engine's output loop, rendered
-        as the stream's next message and passed to the direct send; False (the engine
-        buffers it) when the transport cannot take it now, or when there is nothing to
-        render it with (the stream's contract has no decode renderer, or no step has been
-        rendered yet: the hand-off rule never offers a request's first step)."""
-        decode, last, send = self._decode, self._last_step, self._direct_send
-        if decode is None or last is None or send is None:
-            return False
+    def _receive(self, token_ids: list[int], completion_tokens: int) -> bool:
+        """The flight's receiver: a plain step, from the engine's output loop, rendered as
+        the stream's next message and passed to the direct send; False (the engine buffers
+        it) when the transport cannot take it now. The rule never gives a request's first
+        step direct, so the task has rendered one (`_last_step`) before this runs."""
+        direct, last = self._direct, self._last_step
         try:
-            if not send(decode(token_ids, last, completion_tokens)):
+            assert direct is not None and last is not None  # see above: never otherwise
+            if not direct.send(direct.render(token_ids, last, completion_tokens)):
                 return False
         except Exception:
             # This runs inside the engine's output loop, where an exception would fail the

@@ -53,9 +53,9 @@ class LoopCounter(Collector):
     """A counter without labels, counted from the event loop's thread alone.
 
     For the series a stream updates per token: prometheus_client's own take a lock per
-    update (0.7 µs a counter increment, 1.6 µs a histogram observation, timed in this venv),
-    more than a tenth of what a token costs the whole native path. Here an update is a
-    plain addition (0.07 µs), safe because only the loop's thread writes; the scrape's
+    update, more than a tenth of what a token costs the whole native path
+    (benchmarks/results/metrics-per-token.md). Here an update is a plain addition, safe
+    because only the loop's thread writes; the scrape's
     thread reads under the GIL. Exposed exactly as `prometheus_client.Counter` would be.
     """
 
@@ -76,7 +76,7 @@ class LoopCounter(Collector):
 
 class LoopHistogram(Collector):
     """A histogram without labels, observed from the event loop's thread alone (see
-    `LoopCounter` for why): an observation is a bisection and two additions (0.2 µs).
+    `LoopCounter` for why): an observation is a bisection and two additions.
     Exposed exactly as `prometheus_client.Histogram` would be; its count is the sum of
     its buckets, so a scrape never sees them disagree."""
 

@@ -16,7 +16,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 
-from ..engine import AsyncEngine, Embedding, GenerationRequest, HandoffSink
+from ..engine import AsyncEngine, DirectReceiver, Embedding, GenerationRequest
 from ..errors import (
     DuplicateRequest,
     Overloaded,
@@ -73,21 +73,24 @@ class RequestTable:
         self,
         request: GenerationRequest,
         *,
-        handoff: HandoffSink | DirectSend | None = None,
+        receiver: DirectReceiver | None = None,
+        direct_send: DirectSend | None = None,
     ) -> AsyncIterator[Flight]:
         """Admit `request`, start it in the engine and yield its Flight (see its steps).
 
-        `handoff`: where the engine may hand the request's plain decode steps off to
-        instead of yielding them (engine/handoff.py): a sink (a batched stream's lane;
-        what it takes is not counted here: the caller counts it, in bulk, with
-        `count_generated`), or the stream's direct send, through which the flight sends
-        each step as the stream's next message itself (flight.py).
+        The engine may give the request's plain steps direct instead of yielding them
+        (engine/direct.py), to one of two, never both:
+        - `receiver`: the caller's own (a batched stream's lane; what it takes is not
+          counted here: the caller counts it, in bulk, with `count_generated`);
+        - `direct_send`: the stream's, through which the flight sends each as the stream's
+          next message itself (flight.py).
 
         Leaving the block (finished, cancelled, failed) closes the engine's iterator,
         which aborts the request in the engine if it is still running."""
+        assert receiver is None or direct_send is None, "one receiver per request"
         request = await self._admission.generation(request)
         prompt_tokens = len(request.prompt_token_ids or ())
-        async with self._admitted(request.request_id, prompt_tokens) as flight:
+        async with self._admitted(request.request_id, prompt_tokens, direct_send) as flight:
             if self._log_requests:
                 logger.info(
                     "request %s: %d prompt tokens, n=%s, dp_rank=%s, lora=%s",
@@ -97,8 +100,7 @@ class RequestTable:
                     request.dp_rank,
                     request.lora_name,
                 )
-            sink = flight.sink(handoff) if isinstance(handoff, DirectSend) else handoff
-            steps = self._engine.generate(request, sink=sink)
+            steps = self._engine.generate(request, receiver=receiver or flight.receiver)
             flight.begin(steps)
             try:
                 yield flight
@@ -106,7 +108,7 @@ class RequestTable:
                 await steps.aclose()
 
     def count_generated(self, tokens: int) -> None:
-        """Tokens that reached a client outside any Flight's steps (see `run`'s `handoff`)."""
+        """Tokens that reached a client outside any Flight's steps (see `run`'s `receiver`)."""
         if self._metrics is not None:
             self._metrics.generated_tokens.inc(tokens)
 
@@ -126,7 +128,9 @@ class RequestTable:
         return aborted
 
     @contextlib.asynccontextmanager
-    async def _admitted(self, request_id: str, prompt_tokens: int) -> AsyncIterator[Flight]:
+    async def _admitted(
+        self, request_id: str, prompt_tokens: int, direct_send: DirectSend | None = None
+    ) -> AsyncIterator[Flight]:
         async with self._admission.counted():
             if request_id in self._flights:
                 raise DuplicateRequest(
@@ -137,7 +141,7 @@ class RequestTable:
                     f"this worker already runs {len(self._flights)} requests "
                     f"(--max-concurrent-streams {self._max_concurrent}); retry on another worker"
                 )
-        flight = Flight(request_id, self._metrics)
+        flight = Flight(request_id, self._metrics, direct_send)
         if self._metrics is not None:
             self._metrics.prompt_tokens.inc(prompt_tokens)
         self._flights[request_id] = flight

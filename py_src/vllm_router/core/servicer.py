@@ -24,7 +24,7 @@ import grpc
 
 from ..engine import AsyncEngine
 from ..errors import EngineDead, EngineOperationFailed, InvalidRequest, status_code, status_for
-from .flight import DirectSend
+from .flight import DirectSend, DirectStepRenderer, TransportSend
 from .health import ServingState
 from .lora_paths import LoraPathRule
 from .metrics import ServicerMetrics
@@ -46,9 +46,9 @@ class ServingCore:
     requests: RequestTable
     state: ServingState
     metrics: ServicerMetrics | None = None
-    # A stream context's direct send (a send that never waits; None: the transport has
-    # none, or direct sends are off); see core/flight.py.
-    direct_send: Callable[[grpc.aio.ServicerContext], DirectSend | None] = lambda _: None
+    # A stream context's transport send that never waits (None: the transport has none,
+    # or direct sends are off); see core/flight.py.
+    transport_send: Callable[[grpc.aio.ServicerContext], TransportSend | None] = lambda _: None
     # Where a LoRA adapter loaded at a remote caller's word may come from.
     lora_paths: LoraPathRule = field(default_factory=LoraPathRule)
     tokenizer: TokenizerFiles = field(init=False)
@@ -118,11 +118,14 @@ class ContractServicer:
         self._requests = core.requests
         self._state = core.state
 
-    def _direct_send(self, context: grpc.aio.ServicerContext) -> DirectSend | None:
-        """The stream's direct send, if its transport has one (a stream handler passes it
-        to `RequestTable.run` as the request's hand-off: its decode steps then skip the
-        handler)."""
-        return self.core.direct_send(context)
+    def _direct_send(
+        self, context: grpc.aio.ServicerContext, render: DirectStepRenderer
+    ) -> DirectSend | None:
+        """The stream's direct send, if its transport has one, with the contract's `render`
+        for it (a stream handler passes it to `RequestTable.run`: its plain steps then skip
+        the handler)."""
+        send = self.core.transport_send(context)
+        return DirectSend(send, render) if send is not None else None
 
     @functools.cached_property
     def _eos(self) -> frozenset[int]:

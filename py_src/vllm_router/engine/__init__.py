@@ -4,7 +4,7 @@
 `vllm_router.testing`. Nothing in this package imports gRPC contracts.
 """
 
-from .handoff import Handoff, HandoffSink, may_hand_off
+from .direct import DirectReceiver, DirectSteps, takes_direct_steps
 from .media_types import DTYPE_SIZES, MediaItem, ProcessedMedia, RawTensor
 from .protocol import NO_DRAFT_MODEL, NO_WEIGHT_TRANSFER, AsyncEngine, PauseMode
 from .types import (
@@ -34,13 +34,13 @@ __all__ = [
     "NO_DRAFT_MODEL",
     "NO_WEIGHT_TRANSFER",
     "AsyncEngine",
+    "DirectReceiver",
+    "DirectSteps",
     "Embedding",
     "EngineProgress",
     "EngineStep",
     "FinishReason",
     "GenerationRequest",
-    "Handoff",
-    "HandoffSink",
     "KvBlocksRemoved",
     "KvBlocksStored",
     "KvCacheCleared",
@@ -57,5 +57,5 @@ __all__ = [
     "SamplingOptions",
     "StructuredOutputs",
     "TokenLogprob",
-    "may_hand_off",
+    "takes_direct_steps",
 ]

@@ -7,7 +7,7 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 from prometheus_client.registry import Collector
 
-from .handoff import HandoffSink
+from .direct import DirectReceiver
 from .types import (
     Embedding,
     EngineProgress,
@@ -49,15 +49,15 @@ class AsyncEngine(Protocol):
         ...
 
     def generate(
-        self, request: GenerationRequest, *, sink: HandoffSink | None = None
+        self, request: GenerationRequest, *, receiver: DirectReceiver | None = None
     ) -> AsyncGenerator[EngineStep, None]:
         """Yield one EngineStep per engine step; the last one has finished=True.
 
         `request.prompt_token_ids` is set (text prompts are tokenized first).
         Closing the iterator early aborts the request in the engine.
 
-        `sink`: the engine may hand a plain decode step (new token ids only) off to it,
-        from its output loop, instead of yielding it, by the rule of handoff.py (which
+        `receiver`: the engine may give a plain step (new token ids only) to it direct,
+        from its output loop, instead of yielding it, by the rule of direct.py (which
         requests and which steps: never the first or last, only while the consumer waits
         and nothing is buffered; a step it refuses is yielded as any); later steps'
         `completion_tokens` count what it took. An engine may ignore it.

@@ -168,8 +168,8 @@ class EngineStep:
 def one_plain_sample(options: SamplingOptions, samples: int) -> bool:
     """One sample and no logprobs of any kind: what the engine makes per step is only new
     token ids (and text). Such requests skip vLLM's RequestOutput (engine/vllm/lean.py),
-    and, token-only and streamed at every step, may have their decode steps handed off
-    (handoff.py)."""
+    and, token-only and streamed at every step, may have their plain steps go direct
+    (direct.py)."""
     return (
         samples == 1
         and options.logprobs is None

@@ -40,7 +40,7 @@ from .interceptors import MalformedRequestInterceptor
 from .metrics_http import MetricsEndpoint, start_metrics_endpoint
 from .registry import control_methods, enabled_contracts
 from .security import caller_auth, check_keys, server_credentials
-from .transport import build_server, check_transport, direct_sender
+from .transport import build_server, check_transport, transport_sends
 
 logger = logging.getLogger(__name__)
 
@@ -147,7 +147,7 @@ class RunningServer:
             self.requests,
             self.state,
             self.metrics,
-            direct_send=direct_sender(config),
+            transport_send=transport_sends(config),
             lora_paths=lora_path_rule(config),
         )
         self.state.on_change(self._refresh_health)
@@ -361,11 +361,10 @@ def freeze_startup_heap() -> tuple[int, float]:
     """Takes every object alive now out of the garbage collector's full collections;
     returns how many and the seconds it took (one full collection first).
 
-    The engine's start-up leaves some 630,000 long-lived objects (vLLM's configs and
-    validators, the tokenizer, torch's modules; the tiny model's count) that every full
-    collection walks again, on the event loop: 300-390 ms in which no stream gets a token,
-    three times in 655,000 tokens under load on the 2-core bench machine. Frozen, the full
-    collections of the same load took 9-46 ms (benchmarks/results/stage-budget.md). vLLM's
+    The engine's start-up leaves hundreds of thousands of long-lived objects (vLLM's configs
+    and validators, the tokenizer, torch's modules) that every full collection walks again,
+    on the event loop, where no stream gets a token meanwhile; frozen, those collections are
+    an order of magnitude shorter (the figures: benchmarks/results/stage-budget.md). vLLM's
     own servers freeze the same heap once started. Objects made later are collected as
     before; a frozen object that later ends in a garbage cycle is never freed, and start-up
     objects live as long as the process.

@@ -25,12 +25,12 @@ the stall watchdog) ends, and the send buffer stays bounded per stream (STREAM_F
 override is tied to the exact release and to the attributes it replaces or uses, checked
 before use.
 
-Direct sends (`direct_sender`, on unless --no-direct-sends): the serving core sends a
-stream's plain decode steps, handed off from the engine's output loop (engine/handoff.py,
+Direct sends (`transport_sends`, on unless --no-direct-sends): the serving core sends a
+stream's plain steps, given direct from the engine's output loop (engine/direct.py,
 core/flight.py), through `stream_try_send`, which never waits: a message the client's
 window cannot take is refused and goes the awaited way above, merged with the steps after
-it. Which steps are handed off is the hand-off rule's; the transport only takes or refuses.
-A stream's direct send looks up once what upstream's encoder looks up per message (the
+it. Which steps go direct is engine/direct.py's rule; the transport only takes or refuses.
+A stream's transport send looks up once what upstream's encoder looks up per message (the
 call's serializer and id, the server's send limit): it runs once per token. The same
 release-pinned touch points (the context's server and call, the call's handler and id, the
 server's encoder and send limit) are checked with the rest.
@@ -59,7 +59,7 @@ from typing import Any
 
 import grpc
 
-from ..core.flight import DirectSend
+from ..core.flight import TransportSend
 from .config import TRANSPORTS, ServerConfig, StartupError, server_options
 
 logger = logging.getLogger(__name__)
@@ -210,7 +210,7 @@ def _native_module() -> ModuleType:
 
 
 def _missing_touch_points(package: ModuleType, aio: ModuleType) -> list[str]:
-    """What `_polling_send_server` and `direct_sender` rely on in pygrpc_native and do not
+    """What `_polling_send_server` and `transport_sends` rely on in pygrpc_native and do not
     find there."""
     server = getattr(aio, "Server", None)
     if not (isinstance(server, type) and issubclass(server, grpc.aio.Server)):
@@ -228,7 +228,7 @@ def _missing_touch_points(package: ModuleType, aio: ModuleType) -> list[str]:
     for name in ("stream_try_send", "metrics"):
         if not callable(getattr(front, name, None)):
             missing.append(f"NativeGrpcFront.{name}")
-    # What the override's stop and direct_send_for read or set, stored by Server.__init__
+    # What the override's stop and transport_send read or set, stored by Server.__init__
     # (its calls and front, the send limit), and by _Call.__init__ (task, id, handler).
     server_init = getattr(getattr(server, "__init__", None), "__code__", None)
     for name in ("_front_args", "_front", "_calls", "_stopping", "_send_limit"):
@@ -247,7 +247,7 @@ def _missing_touch_points(package: ModuleType, aio: ModuleType) -> list[str]:
     # stores it (an attribute store names it in the code object's co_names).
     init = getattr(getattr(aio, "_Context", None), "__init__", None)
     stored = getattr(getattr(init, "__code__", None), "co_names", ())
-    # ...and those a direct send reads (direct_sender).
+    # ...and those a transport send reads (transport_sends).
     for name in ("_initial_sent", "_server", "_call", "_closed"):
         if name not in stored:
             missing.append(f"_Context.{name}")
@@ -293,8 +293,8 @@ def _polling_send_server(aio: ModuleType) -> type[grpc.aio.Server]:
             running = sum(1 for call in self._calls.values() if call.task and not call.task.done())
             return max(0, started - finished - running)
 
-        def direct_send(self, call: Any, context: Any, response: Any) -> bool:
-            """A stream's direct send, the general way: True if the transport took
+        def try_send(self, call: Any, context: Any, response: Any) -> bool:
+            """A send that never waits, the general way: True if the transport took
             `response` at once; False if the client's window is full or the stream has ended
             (or the message could not be encoded, which fails the call itself)."""
             if context._closed:
@@ -304,18 +304,19 @@ def _polling_send_server(aio: ModuleType) -> type[grpc.aio.Server]:
                 self._front.stream_try_send(call.call_id, data) == sent_now
             )
 
-        def direct_send_for(self, call: Any, context: Any) -> Callable[[Any], bool]:
-            """A stream's direct send (`direct_sender`): what `direct_send` does, with what
-            it looks up per message looked up once. It runs once per token, and upstream's
-            encoder is three calls deep (0.67 -> 0.35 µs a message, benchmarks/direct_send.py).
-            A message that is not plain bytes under the send limit, or whose encoding raises,
-            goes `direct_send`'s way, which fails the call as upstream does."""
+        def transport_send(self, call: Any, context: Any) -> TransportSend:
+            """A stream's send that never waits (`transport_sends`): what `try_send` does,
+            with what it looks up per message looked up once, since it runs once per token
+            and upstream's encoder is three calls deep (the saving is measured by
+            benchmarks/direct_send.py). A message that is not plain bytes under the send
+            limit, or whose encoding raises, goes `try_send`'s way, which fails the call as
+            upstream does."""
             serializer = call.handler.response_serializer
             if serializer is None:
-                return functools.partial(self.direct_send, call, context)
+                return functools.partial(self.try_send, call, context)
             limit = self._send_limit if self._send_limit is not None else float("inf")
             try_send, call_id = self._front.stream_try_send, call.call_id
-            general = self.direct_send
+            general = self.try_send
 
             def send(response: Any) -> bool:
                 if context._closed:
@@ -355,23 +356,24 @@ def _polling_send_server(aio: ModuleType) -> type[grpc.aio.Server]:
     return PollingSendServer
 
 
-def direct_sender(
+def transport_sends(
     config: ServerConfig,
-) -> Callable[[grpc.aio.ServicerContext], DirectSend | None]:
-    """What gives a stream's context its direct send (`ServingCore.direct_send`): on the
-    native transport with direct sends on, for its own stream contexts; else none."""
+) -> Callable[[grpc.aio.ServicerContext], TransportSend | None]:
+    """What gives a stream's context its transport send (`ServingCore.transport_send`): on
+    the native transport with direct sends on, for its own stream contexts; else none."""
     if config.transport != NATIVE or not config.direct_sends:
-        return _no_direct_send
+        return _no_transport_send
     context_class: type = _native_module()._Context
 
-    def direct_send(context: grpc.aio.ServicerContext) -> DirectSend | None:
+    def transport_send(context: grpc.aio.ServicerContext) -> TransportSend | None:
         if type(context) is not context_class:  # e.g. a reflection call on the fallback
             return None
         native: Any = context
-        return DirectSend(native._server.direct_send_for(native._call, native))
+        send: TransportSend = native._server.transport_send(native._call, native)
+        return send
 
-    return direct_send
+    return transport_send
 
 
-def _no_direct_send(context: grpc.aio.ServicerContext) -> DirectSend | None:
+def _no_transport_send(context: grpc.aio.ServicerContext) -> TransportSend | None:
     return None

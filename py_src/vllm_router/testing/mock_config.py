@@ -24,6 +24,12 @@ class MockConfig:
     eos_token_id: int = 2
     tokens_per_step: int = field(default=1, metadata={"help": "tokens each engine step makes"})
     step_delay: float = field(default=0.0, metadata={"help": "seconds between engine steps"})
+    stream_interval: int = field(
+        default=1,
+        metadata={
+            "help": "steps merged per streamed step for every request (vLLM's --stream-interval)"
+        },
+    )
     max_num_seqs: int = field(default=256, metadata={"help": "requests running at once"})
     block_size: int = 16
     kv_cache_tokens: int = 262144

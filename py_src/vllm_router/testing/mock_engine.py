@@ -39,12 +39,12 @@ from .. import __version__
 from ..engine import (
     NO_DRAFT_MODEL,
     NO_WEIGHT_TRANSFER,
+    DirectReceiver,
+    DirectSteps,
     Embedding,
     EngineProgress,
     EngineStep,
     GenerationRequest,
-    Handoff,
-    HandoffSink,
     KvEventBatch,
     KvEventSource,
     LoadSnapshot,
@@ -52,7 +52,7 @@ from ..engine import (
     ModelFacts,
     PauseMode,
     RankLoad,
-    may_hand_off,
+    takes_direct_steps,
 )
 from ..engine.types import FinishReason
 from ..errors import (
@@ -311,7 +311,7 @@ class MockAsyncEngine:
         check_supported(request.sampling)
 
     async def generate(
-        self, request: GenerationRequest, *, sink: HandoffSink | None = None
+        self, request: GenerationRequest, *, receiver: DirectReceiver | None = None
     ) -> AsyncGenerator[EngineStep, None]:
         await self.check_health()
         self.check_sampling(request)
@@ -331,16 +331,21 @@ class MockAsyncEngine:
         try:
             held = await self._wait_for_slot(state)
             state.running = held
-            interval = request.sampling.stream_interval or 1
-            handoff = (
-                Handoff(sink)
-                if sink is not None
-                and may_hand_off(
-                    request.sampling, request.sampling.n or 1, detokenize=request.detokenize
+            # vLLM streams a request at the larger of its own interval and the engine's.
+            engine_interval = max(1, self.config.stream_interval)
+            interval = max(request.sampling.stream_interval or 1, engine_interval)
+            direct = (
+                DirectSteps(receiver)
+                if receiver is not None
+                and takes_direct_steps(
+                    request.sampling,
+                    request.sampling.n or 1,
+                    detokenize=request.detokenize,
+                    engine_interval=engine_interval,
                 )
                 else None
             )
-            async for step in every_interval(self._decode(state, handoff), interval):
+            async for step in every_interval(self._decode(state, direct), interval):
                 finished = step.finished
                 state.handed_out = True
                 yield step
@@ -420,11 +425,11 @@ class MockAsyncEngine:
             raise EngineDead(f"engine is dead: {self._dead}")
 
     async def _decode(
-        self, state: _Request, handoff: Handoff | None = None
+        self, state: _Request, direct: DirectSteps | None = None
     ) -> AsyncGenerator[EngineStep, None]:
-        """The request's steps; with `handoff`, each is offered to the consumer's sink by the
-        rule of handoff.py (this generator runs only while its consumer waits on it, and
-        buffers nothing: a refused step is yielded at once)."""
+        """The request's steps; with `direct`, each plain one is given to the consumer's
+        receiver by the rule of direct.py (this generator runs only while its consumer
+        waits on it, and buffers nothing: a refused step is yielded at once)."""
         request = state.request
         s = request.sampling
         cached = cached_prefix(self._cached_blocks, state.prompt, self._facts.block_size)
@@ -448,16 +453,14 @@ class MockAsyncEngine:
                     self.config.tokens_per_step, self._die_if_due
                 )
                 state.generated += len(new_ids)
-                if handoff is None:
+                plain = finish is None  # a step that finishes carries more than tokens
+                first = sample.generated == len(new_ids)
+                if direct is None:
                     yield self._step(state, sample, new_ids, text, finish, stop_reason, cached)
-                elif not handoff.offer(
-                    new_ids,
-                    first=sample.generated == len(new_ids),
-                    last=finish is not None,
-                    waiting=True,
-                    buffered=False,
+                elif not (
+                    plain and direct.give(new_ids, first=first, waiting=True, buffered=False)
                 ):
-                    handoff.count(new_ids)  # its one sample's count: what the sink is told
+                    direct.count(new_ids)  # its one sample's count: what the receiver is told
                     yield self._step(state, sample, new_ids, text, finish, stop_reason, cached)
                 if finish is not None:
                     active.remove(sample)

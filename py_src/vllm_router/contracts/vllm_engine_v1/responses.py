@@ -9,7 +9,7 @@ import grpc
 
 from ...core.accumulate import RequestResult, SampleResult
 from ...core.batching import Message
-from ...core.flight import DecodeRenderer
+from ...core.flight import DirectStepRenderer
 from ...core.media_admission import url_schemes
 from ...engine import (
     Embedding,
@@ -98,9 +98,9 @@ def stream_message(
     return message
 
 
-def decode_messages(request_id: str) -> DecodeRenderer:
-    """One stream's `stream_message` of a plain decode step (core/flight.py's
-    DecodeRenderer): one message, rendered again for every step."""
+def direct_step_renderer(request_id: str) -> DirectStepRenderer:
+    """One stream's `stream_message` of a plain step (core/flight.py's DirectStepRenderer):
+    one message, rendered again for every step."""
     message = pb.GenerateStreamResponse(request_id=request_id)
     token_ids, usage = message.token_ids, message.usage
 

@@ -62,9 +62,9 @@ class VllmEngineServicer(ContractServicer, pb_grpc.VllmEngineServicer):
             first = False
             return (message,)
 
-        decode = responses.decode_messages(request_id)
-        async with self._requests.run(generation, handoff=self._direct_send(context)) as flight:
-            async for message in flight.messages(render, decode):
+        direct_send = self._direct_send(context, responses.direct_step_renderer(request_id))
+        async with self._requests.run(generation, direct_send=direct_send) as flight:
+            async for message in flight.messages(render):
                 yield message
 
     @handles_errors

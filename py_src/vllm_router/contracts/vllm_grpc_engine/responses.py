@@ -18,7 +18,7 @@ from typing import Any
 from smg_grpc_proto.generated import common_pb2
 from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 
-from ...core.flight import DecodeRenderer
+from ...core.flight import DirectStepRenderer
 from ...core.media_admission import url_schemes
 from ...engine import (
     EngineStep,
@@ -91,8 +91,8 @@ def chunk(
     )
 
 
-def decode_chunks() -> DecodeRenderer:
-    """One stream's `chunk` of a plain decode step (core/flight.py's DecodeRenderer): one
+def direct_step_renderer() -> DirectStepRenderer:
+    """One stream's `chunk` of a plain step (core/flight.py's DirectStepRenderer): one
     message, rendered again for every step; completion_tokens counts the chunk's own
     tokens, as every chunk's does."""
     response = vpb.GenerateResponse()

@@ -45,11 +45,14 @@ class VllmGrpcServicer(ContractServicer, vpb_grpc.VllmEngineServicer):
         generation = convert.to_generation_request(request, self._engine.facts, trace)
         sampling = generation.sampling
         tops = (max(sampling.logprobs or 0, 0), max(sampling.prompt_logprobs or 0, 0))
-        direct_send = self._direct_send(context) if request.stream else None
-        async with self._requests.run(generation, handoff=direct_send) as flight:
+        # A unary answer is sent whole at the end: only a stream sends steps as they come.
+        direct_send = (
+            self._direct_send(context, responses.direct_step_renderer()) if request.stream else None
+        )
+        async with self._requests.run(generation, direct_send=direct_send) as flight:
             if request.stream:
                 render = self._stream_renderer(*tops)
-                async for message in flight.messages(render, responses.decode_chunks()):
+                async for message in flight.messages(render):
                     yield message
                 return
             result = RequestResult()

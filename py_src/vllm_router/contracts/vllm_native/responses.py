@@ -10,7 +10,7 @@ from typing import Any
 from google.protobuf import json_format, struct_pb2
 
 from ...core.accumulate import RequestResult
-from ...core.flight import DecodeRenderer
+from ...core.flight import DirectStepRenderer
 from ...engine import EngineStep, KvEventSource, LoraAdapter, ModelFacts, TokenLogprob
 from ...errors import RequestFailed
 from ...proto import vllm_native_pb2 as npb
@@ -122,10 +122,10 @@ def sequence_output(
     return npb.GenerateResponse(outputs=output)
 
 
-def decode_outputs(wanted: Wanted) -> DecodeRenderer:
-    """One stream's `sequence_output` of a plain decode step, for its `wanted`
-    (core/flight.py's DecodeRenderer): one message, rendered again for every step. A plain
-    step has no text, no scores and no finish."""
+def direct_step_renderer(wanted: Wanted) -> DirectStepRenderer:
+    """One stream's `sequence_output` of a plain step, for its `wanted` (core/flight.py's
+    DirectStepRenderer): one message, rendered again for every step. A plain step has no
+    text, no scores and no finish."""
     with_ids = wanted.token_ids
     response = npb.GenerateResponse()
     output = response.outputs

@@ -61,9 +61,9 @@ class NativeInferenceServicer(ContractServicer, npb_grpc.InferenceServicer):
             generation = await self._generation(request, metadata)
             wanted = Wanted.of(request.response)
             render = self._stream_renderer(wanted, generation.prompt_token_ids)
-            decode = responses.decode_outputs(wanted)
-            async with self._requests.run(generation, handoff=self._direct_send(context)) as flight:
-                async for message in flight.messages(render, decode):
+            direct_send = self._direct_send(context, responses.direct_step_renderer(wanted))
+            async with self._requests.run(generation, direct_send=direct_send) as flight:
+                async for message in flight.messages(render):
                     yield message
 
     def _stream_renderer(

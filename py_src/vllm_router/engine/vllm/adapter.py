@@ -24,7 +24,7 @@ from ...errors import (
     ServicerError,
     Unsupported,
 )
-from ..handoff import HandoffSink, may_hand_off
+from ..direct import DirectReceiver, takes_direct_steps
 from ..protocol import NO_DRAFT_MODEL, NO_WEIGHT_TRANSFER, PauseMode
 from ..types import (
     Embedding,
@@ -92,10 +92,10 @@ class VllmEngine:
         # The features whose vLLM internals match this vLLM (compat.py logs the rest).
         self.features = check_touch_points(llm)
         # Token streams without a RequestOutput per step where a request allows it
-        # (lean.py); off when asked, or when this vLLM lacks the hand-off points.
+        # (lean.py); off when asked, or when this vLLM lacks the points it takes over.
         self.lean_outputs = lean_outputs and LEAN_OUTPUTS in self.features
         # Token-only requests' decode steps without vLLM's per-request output work: the
-        # output-loop path a hand-off takes (engine/handoff.py), at the engine's own stream
+        # output-loop path direct steps take (engine/direct.py), at the engine's own stream
         # interval (--stream-interval; vLLM streams a request at the larger of the two).
         self.fast_outputs: FastOutputs | None = None
         self._stream_interval: int = getattr(llm.vllm_config.scheduler_config, "stream_interval", 1)
@@ -449,7 +449,7 @@ class VllmEngine:
         self._sampling_params(request, len(request.prompt_token_ids or ()))
 
     def generate(
-        self, request: GenerationRequest, *, sink: HandoffSink | None = None
+        self, request: GenerationRequest, *, receiver: DirectReceiver | None = None
     ) -> AsyncGenerator[EngineStep, None]:
         # A plain method returning the steps' generator: no extra generator layer per
         # token; invalid parameters raise here, before the request reaches vLLM.
@@ -458,14 +458,14 @@ class VllmEngine:
             raise ValueError("VllmEngine.generate needs prompt_token_ids (tokenize text first)")
         if request.media or request.processed_media:
             return self._media_steps(request, ids)
-        return self._steps(request, ids, self._engine_prompt(ids, request.cache_salt), sink)
+        return self._steps(request, ids, self._engine_prompt(ids, request.cache_salt), receiver)
 
     def _steps(
         self,
         request: GenerationRequest,
         ids: list[int],
         prompt: Any,
-        sink: HandoffSink | None = None,
+        receiver: DirectReceiver | None = None,
     ) -> AsyncGenerator[EngineStep, None]:
         options = request.sampling
         params = self._sampling_params(request, len(ids))
@@ -488,8 +488,8 @@ class VllmEngine:
         self._work_arrives()
         if self.lean_outputs and one_plain_sample(options, params.n):
             fast, entry = self.fast_outputs, self.direct_entry
-            # Handed off only from fast outputs' loop, and only what the rule allows.
-            handed = fast is not None and may_hand_off(
+            # Direct only from fast outputs' loop, and only what the rule allows.
+            direct = fast is not None and takes_direct_steps(
                 options,
                 params.n,
                 detokenize=request.detokenize,
@@ -499,7 +499,7 @@ class VllmEngine:
                 self._llm,
                 call,
                 fast,
-                sink if handed else None,
+                receiver if direct else None,
                 entry if entry is not None and entry.admits(call) else None,
             )
         return request_output_steps(self._llm, call, options)

@@ -16,15 +16,16 @@ step of a registered one that carries more than new tokens (its first, its last,
 events, prefill or KV-transfer data, a stop reason) — goes to vLLM's own method
 unchanged. Aborts, finishes, tracing (at the finish), engine death and stop token ids
 (applied in the engine core) therefore stay vLLM's. A step's new tokens go to the
-request's `LeanStream` (`LeanStream.decode_step`), which hands them off to its consumer's
-sink when the hand-off rule allows (engine/handoff.py): no task wakes for them. Which
-steps may be handed off is the rule's to say, not this loop's: it only sends here the
-steps that carry nothing but new tokens.
+request's `LeanStream` (`LeanStream.plain_step`), which gives them direct to its
+consumer's receiver when the rule allows (engine/direct.py): no task wakes for them.
+Which steps go direct is the rule's to say, not this loop's: it only sends there the
+plain steps, those that carry nothing but new tokens.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from .lean import LeanStream
@@ -32,14 +33,28 @@ from .stats import BULK_LATENCIES
 
 logger = logging.getLogger(__name__)
 
-# EngineCoreOutput fields that are None on a plain decode step; any of them set sends
-# the step to vLLM's path (compat.py checks that the struct still has them).
+# EngineCoreOutput fields that are None on a plain step; any of them set sends the step
+# to vLLM's path (compat.py checks that the struct still has every one).
 EXTRAS = (
     "new_logprobs", "new_prompt_logprobs_tensors", "pooling_output", "finish_reason",
     "stop_reason", "events", "kv_transfer_params", "ec_transfer_params", "prefill_stats",
     "routed_experts", "mm_cache_miss_hashes", "new_sampling_mask", "spec_decode_metrics",
     "prompt_token_id_logprobs",
 )  # fmt: skip
+
+
+def _extras_check(fields: tuple[str, ...]) -> Callable[[Any], bool]:
+    """`out.a is not None or out.b is not None or ...` over `fields`, compiled once: the
+    list above is the only one, and the check runs per request per step, where a loop over
+    names or an attrgetter tuple costs about half as much again."""
+    assert all(name.isidentifier() for name in fields)
+    test = " or ".join(f"out.{name} is not None" for name in fields)
+    check: Callable[[Any], bool] = eval(f"lambda out: {test}")
+    return check
+
+
+# Whether an EngineCoreOutput carries more than new tokens (not a plain step).
+carries_extras = _extras_check(EXTRAS)
 
 
 class FastOutputs:
@@ -92,25 +107,7 @@ class FastOutputs:
         for out in engine_core_outputs:
             stream = streams.get(out.request_id)
             state = states.get(out.request_id) if stream is not None else None
-            if (
-                stream is None
-                or state is None
-                or state.is_prefilling
-                or out.finish_reason is not None
-                or out.events is not None
-                or out.prefill_stats is not None
-                or out.stop_reason is not None
-                or out.kv_transfer_params is not None
-                or out.ec_transfer_params is not None
-                or out.new_logprobs is not None
-                or out.pooling_output is not None
-                or out.routed_experts is not None
-                or out.mm_cache_miss_hashes
-                or out.new_sampling_mask is not None
-                or out.spec_decode_metrics is not None
-                or out.new_prompt_logprobs_tensors is not None
-                or out.prompt_token_id_logprobs is not None
-            ):
+            if stream is None or state is None or state.is_prefilling or carries_extras(out):
                 rest.append(out)
                 continue
             tokens = out.new_token_ids
@@ -132,7 +129,7 @@ class FastOutputs:
                 else:
                     latencies.append(latency)
                 stats.last_token_ts = engine_core_timestamp
-            stream.decode_step(tokens)
+            stream.plain_step(tokens)
         if iteration_stats is not None:
             iteration_stats.num_generation_tokens += generated
         # vLLM's path for the rest, also when empty (it returns its own result type).

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import AsyncGenerator
 from typing import TYPE_CHECKING, Any
 
-from ..handoff import HandoffSink
+from ..direct import DirectReceiver
 from ..types import EngineStep, SamplingOptions
 from .entry import DirectEntry, VllmCall
 from .fast_outputs import FastOutputs
@@ -28,13 +28,13 @@ async def lean_steps(
     llm: AsyncLLM,
     call: VllmCall,
     fast: FastOutputs | None = None,
-    sink: HandoffSink | None = None,
+    receiver: DirectReceiver | None = None,
     entry: DirectEntry | None = None,
 ) -> AsyncGenerator[EngineStep, None]:
     """A lean request's steps; with `fast`, a token-only one's decode steps skip vLLM's
-    per-request output work (fast_outputs.py), and with `sink` (given with `fast`, for a
-    request handoff.may_hand_off allows) they are handed off to it by the rule of
-    handoff.py. With `entry`, the request reaches the engine core through it (entry.py),
+    per-request output work (fast_outputs.py), and with `receiver` (given with `fast`, for
+    a request direct.takes_direct_steps allows) they go direct to it by the rule of
+    direct.py. With `entry`, the request reaches the engine core through it (entry.py),
     else through add_request."""
     request: EngineCoreRequest | None = None
     queue: Any = None
@@ -56,7 +56,7 @@ async def lean_steps(
             state,
             detokenize=call.detokenize,
             prompt_tokens=len(call.prompt_token_ids),
-            sink=sink,
+            receiver=receiver,
         )
         if request is not None and entry is not None:
             try:

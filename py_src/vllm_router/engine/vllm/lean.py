@@ -6,7 +6,7 @@ For every request and every engine step, vLLM's `AsyncLLM.generate` path builds 
 that asks for one sample and no logprobs needs none of that: only the new token ids,
 the text delta, the finish and the cached-token count.
 
-`LeanStream` takes over one request's hand-off point inside vLLM's own OutputProcessor:
+`LeanStream` takes over one request's output point inside vLLM's own OutputProcessor:
 the request state's `make_request_output` (called once per step, and by aborts) and its
 queue (which receives engine-death errors). Everything else the OutputProcessor does per
 step runs unchanged: detokenization and stop strings, `vllm:*` statistics, tracing, the
@@ -21,7 +21,7 @@ import asyncio
 import logging
 from typing import Any
 
-from ..handoff import Handoff, HandoffSink
+from ..direct import DirectReceiver, DirectSteps
 from ..types import EngineStep
 from .params import finish_of
 
@@ -33,11 +33,11 @@ class LeanStream:
 
     __slots__ = (
         "_detokenizer",
+        "_direct",
         "_error",
         "_error_detail",
         "_failed",
         "_finish",
-        "_handoff",
         "_interval",
         "_kv_transfer_params",
         "_prompt_tokens",
@@ -57,11 +57,11 @@ class LeanStream:
         *,
         detokenize: bool,
         prompt_tokens: int,
-        sink: HandoffSink | None = None,
+        receiver: DirectReceiver | None = None,
     ) -> None:
-        """Takes over `state`; None: vLLM already dropped it (see `absorb`). `sink`: where
-        plain decode steps are handed off, for a request the adapter found may be
-        (handoff.may_hand_off), by the rule of handoff.py."""
+        """Takes over `state`; None: vLLM already dropped it (see `absorb`). `receiver`:
+        where plain steps go direct, for a request the adapter found takes them
+        (direct.takes_direct_steps), by the rule of direct.py."""
         self._request_id = request_id
         self._state = state
         self._prompt_tokens = prompt_tokens
@@ -70,7 +70,7 @@ class LeanStream:
         # engine-wide --stream-interval).
         self._interval: int = max(1, state.stream_interval) if state is not None else 1
         self._detokenizer = state.detokenizer if detokenize and state is not None else None
-        self._handoff = Handoff(sink)
+        self._direct = DirectSteps(receiver)
         self._token_ids: list[int] = []
         self._text: list[str] = []
         self._finish: Any = None  # vLLM's FinishReason (or its string form) once finished
@@ -89,13 +89,12 @@ class LeanStream:
     def finished(self) -> bool:
         return self._finish is not None
 
-    def decode_step(self, new_token_ids: list[int]) -> None:
-        """A plain decode step (fast_outputs.py): handed off to the consumer's sink if the
-        rule allows (handoff.py), else buffered as any step."""
-        if self._failed or not self._handoff.offer(
+    def plain_step(self, new_token_ids: list[int]) -> None:
+        """A plain step (fast_outputs.py): given direct to the consumer's receiver if the
+        rule allows (direct.py), else buffered as any step."""
+        if self._failed or not self._direct.give(
             new_token_ids,
             first=not self._started,
-            last=False,  # a last step carries its finish: fast_outputs.py leaves it to vLLM
             waiting=self._waiter is not None,
             buffered=bool(self._token_ids),
         ):
@@ -192,10 +191,10 @@ class LeanStream:
             raise self._error
         token_ids = self._token_ids
         self._token_ids = []
-        handoff = self._handoff
-        handoff.count(token_ids)
+        direct = self._direct
+        direct.count(token_ids)
         finish, stop_reason, error = finish_of(
-            self._finish, self._stop_reason, handoff.last_token, self._error_detail
+            self._finish, self._stop_reason, direct.last_token, self._error_detail
         )
         step = EngineStep(
             token_ids=token_ids,
@@ -204,7 +203,7 @@ class LeanStream:
             finish_reason=finish,
             stop_reason=stop_reason,
             prompt_tokens=self._prompt_tokens,
-            completion_tokens=handoff.produced,
+            completion_tokens=direct.produced,
             cached_tokens=self._state.num_cached_tokens if self._state is not None else 0,
             kv_transfer_params=self._kv_transfer_params,
             error=error,

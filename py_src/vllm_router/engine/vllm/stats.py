@@ -120,11 +120,12 @@ class BulkLatencies:
     """`vllm:inter_token_latency_seconds` observed once per distinct value per step.
 
     vLLM's Prometheus logger observes every inter-token latency of a step one call at a
-    time (a lock, a bucket scan), ~1 µs per token. In a decode step almost every request's
-    latency is the same value (the time since the previous step), so the fast loop counts
-    them by value (`BULK_LATENCIES` on the step's IterationStats) and this adds each value
-    with its count to the same histogram child, after vLLM's `record` for that step: the
-    same buckets, count and sum (up to float rounding) as one observation each.
+    time (a lock, a bucket scan, per token: docs/benchmarks.md). In a decode step almost
+    every request's latency is the same value (the time since the previous step), so the
+    fast loop counts them by value (`BULK_LATENCIES` on the step's IterationStats) and this
+    adds each value with its count to the same histogram child, after vLLM's `record` for
+    that step: the same buckets, count and sum (up to float rounding) as one observation
+    each.
     Only vLLM's Prometheus logger reads these latencies (compat.py checks the loggers).
     """
 
