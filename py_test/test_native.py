@@ -472,8 +472,9 @@ async def test_control_what_is_not_served_says_why(mock: Harness) -> None:
         (ctl.UnloadLora(npb.UnloadLoraRequest(lora_name="a")), grpc.StatusCode.FAILED_PRECONDITION),
         (ctl.LoadLora(npb.LoadLoraRequest(lora_name="a")), grpc.StatusCode.INVALID_ARGUMENT),
         (ctl.Sleep(npb.SleepRequest()), grpc.StatusCode.FAILED_PRECONDITION),
-        (ctl.Sleep(npb.SleepRequest(level=3)), grpc.StatusCode.INVALID_ARGUMENT),
-        (ctl.Sleep(npb.SleepRequest(mode=9)), grpc.StatusCode.INVALID_ARGUMENT),  # type: ignore[arg-type]
+        # Sleep mode is checked first, as vllm-rs 0.34 does: before the level and the mode.
+        (ctl.Sleep(npb.SleepRequest(level=3)), grpc.StatusCode.FAILED_PRECONDITION),
+        (ctl.Sleep(npb.SleepRequest(mode=9)), grpc.StatusCode.FAILED_PRECONDITION),  # type: ignore[arg-type]
         (
             ctl.PauseGeneration(npb.PauseGenerationRequest(mode=9)),  # type: ignore[arg-type]
             grpc.StatusCode.INVALID_ARGUMENT,

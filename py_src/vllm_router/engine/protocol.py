@@ -123,9 +123,10 @@ class AsyncEngine(Protocol):
 
     async def is_paused(self) -> bool: ...
 
-    async def sleep(self, level: int, mode: PauseMode) -> None:
-        """Free the weights (level 2) or offload them (1) and the KV cache; NotConfigured
-        without sleep mode."""
+    async def sleep(self, level: int, mode: PauseMode, *, reset_connector: bool = True) -> None:
+        """Pause scheduling (level 0), and offload the weights (1) or free them (2) with the
+        KV cache, clearing the KV connector's cache too unless `reset_connector` is false
+        (Unsupported where the engine cannot keep it); NotConfigured without sleep mode."""
         ...
 
     async def wake_up(self, tags: list[str] | None) -> None: ...

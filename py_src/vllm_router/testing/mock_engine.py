@@ -248,7 +248,7 @@ class MockAsyncEngine:
             await self._stall()  # a stalled engine's loop answers no question either
         return not self._running.is_set()
 
-    async def sleep(self, level: int, mode: PauseMode) -> None:
+    async def sleep(self, level: int, mode: PauseMode, *, reset_connector: bool = True) -> None:
         raise NotConfigured(NO_SLEEP)
 
     async def wake_up(self, tags: list[str] | None) -> None:

@@ -477,12 +477,24 @@ def pause(request: npb.PauseGenerationRequest) -> tuple[PauseMode, bool]:
     return pause_mode(request.mode), clear_cache
 
 
-def sleep(request: npb.SleepRequest) -> tuple[int, PauseMode]:
-    """(level, mode): level 1 (the default) or 2."""
+SLEEP_LEVELS = (0, 1, 2)
+
+
+def sleep(request: npb.SleepRequest, facts: ModelFacts) -> tuple[int, PauseMode, bool]:
+    """(level, mode, reset_connector), checked in vllm-rs 0.34's order: sleep mode, then the
+    pause mode, then the level (1 when absent); reset_connector is true when absent."""
+    if not facts.sleep_mode:
+        raise NotConfigured(
+            "sleep mode is not enabled on this engine (start it with --enable-sleep-mode, "
+            "on a platform that supports it)"
+        )
+    mode = pause_mode(request.mode)
     level = request.level if request.HasField("level") else 1
-    if level not in (1, 2):
-        raise InvalidRequest(f"level must be 1 or 2, got {level}")
-    return level, pause_mode(request.mode)
+    if level not in SLEEP_LEVELS:
+        expected = ", ".join(map(str, SLEEP_LEVELS))
+        raise InvalidRequest(f"invalid sleep level `{level}`; expected one of: {expected}")
+    reset = request.reset_connector if request.HasField("reset_connector") else True
+    return level, mode, reset
 
 
 def json_object(data: bytes, field: str) -> dict[str, Any]:

@@ -16,8 +16,9 @@ from ...errors import RequestFailed
 from ...proto import vllm_native_pb2 as npb
 from .convert import output_text
 
-# The schema version of vLLM's contract this worker implements (what vllm-rs 0.33 reports).
-PROTO_VERSION = "0.6.0"
+# The schema version of vLLM's contract this worker implements, as vllm-rs reports it
+# (0.33: "0.6.0"; 0.34, whose Sleep takes level 0 and reset_connector: "0.7.0").
+PROTO_VERSION = "0.7.0"
 API_VERSION = "vllm"
 
 _FINISH = {

@@ -251,9 +251,9 @@ class NativeControlServicer(ContractServicer, npb_grpc.ControlServicer):
 
     @handles_errors
     async def Sleep(self, request: npb.SleepRequest, context: Context) -> npb.SleepResponse:
-        level, mode = convert.sleep(request)
         await self._state.require_engine()
-        sleep = functools.partial(self._engine.sleep, level, mode)
+        level, mode, reset_connector = convert.sleep(request, self._engine.facts)
+        sleep = functools.partial(self._engine.sleep, level, mode, reset_connector=reset_connector)
         await self._operation("sleep", context, sleep, level=level, mode=mode)
         return npb.SleepResponse()
 

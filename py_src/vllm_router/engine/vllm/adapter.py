@@ -61,6 +61,7 @@ from .fast_outputs import FastOutputs
 from .file_weights import NO_ROOT, WeightFileRule
 from .generate import lean_steps, request_output_steps
 from .holds import Holds
+from .introspect import parameters
 from .kv_events import kv_event_batches, kv_event_sources
 from .lora import LoraRegistry
 from .media_inputs import media_input, processed_input
@@ -268,8 +269,18 @@ class VllmEngine:
     async def is_paused(self) -> bool:
         return bool(await self._call(self._llm.is_paused))
 
-    async def sleep(self, level: int, mode: PauseMode) -> None:
+    async def sleep(self, level: int, mode: PauseMode, *, reset_connector: bool = True) -> None:
         self._require_sleep_mode()
+        # vLLM 0.34's sleep takes reset_connector; earlier ones always clear the connector's
+        # cache at level 1 or 2, which only matters with a KV connector configured.
+        if "reset_connector" in parameters(self._llm.sleep):
+            await self._holds.sleep(level, mode, reset_connector=reset_connector)
+            return
+        if not reset_connector and level >= 1 and self._llm.vllm_config.kv_transfer_config:
+            raise Unsupported(
+                "this vLLM clears the KV connector's cache whenever it sleeps at level 1 or 2; "
+                "reset_connector=false needs a vLLM whose sleep takes it (0.34 or later)"
+            )
         await self._holds.sleep(level, mode)
 
     async def wake_up(self, tags: list[str] | None) -> None:

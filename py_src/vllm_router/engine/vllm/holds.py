@@ -41,8 +41,8 @@ class Holds:
     async def resume(self) -> None:
         await self._settled(self._llm.resume_generation)
 
-    async def sleep(self, level: int, mode: str) -> None:
-        await self._settled(lambda: self._llm.sleep(level, mode))
+    async def sleep(self, level: int, mode: str, **options: Any) -> None:
+        await self._settled(lambda: self._llm.sleep(level, mode, **options))
 
     async def wake_up(self, tags: list[str] | None) -> None:
         await self._settled(lambda: self._llm.wake_up(tags))
