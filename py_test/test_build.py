@@ -37,6 +37,8 @@ def test_sdist_then_wheel_contains_generated_stubs(tmp_path: Path) -> None:
         grpc_module = whl.read("vllm_router/proto/vllm_engine_pb2_grpc.py").decode()
     for name in GENERATED:
         assert f"vllm_router/proto/{name}" in wheel_names
+    # What compat.CHECKED_VERSIONS is read from at import.
+    assert "vllm_router/engine/vllm/checked_versions.json" in wheel_names
     assert "from vllm_router.proto import vllm_engine_pb2 as" in grpc_module
     assert "GRPC_GENERATED_VERSION = '1.85.1'" in grpc_module
 

@@ -5,7 +5,8 @@ Every line of a fenced shell block (```bash) that runs `vllm-servicer` or
 `\\`-continued and multi-line quoted lines joined) is split as a shell would split it, its
 `$NAME` variables expanded from the block's own assignments and a few documented example
 values, and parsed by `vllm_router.cli.build_parser`, as `vllm-servicer` itself parses its
-arguments: a flag that does not exist, or a value it refuses, fails here. Nothing is started.
+arguments (`vllm-servicer check-vllm ...` by that subcommand's own parser): a flag that does not
+exist, or a value it refuses, fails here. Nothing is started.
 
 A real-engine command must also run on a CPU-only machine as written or with what its doc
 says to add: the line carries the Makefile's CPU additions (`CPU_ENV`, `ENGINE_MEMORY`), or
@@ -25,8 +26,9 @@ from pathlib import Path
 
 import pytest
 
-from vllm_router.cli import build_parser, vllm_available
+from vllm_router.cli import CHECK_VLLM, build_parser, vllm_available
 from vllm_router.dataclass_flags import from_args
+from vllm_router.engine.vllm import check_vllm
 from vllm_router.server import ServerConfig
 from vllm_router.testing.mock_config import MockConfig
 
@@ -73,6 +75,11 @@ class DocCommand:
     @property
     def mock(self) -> bool:
         return "--mock-engine" in self.argv
+
+    @property
+    def checks_vllm(self) -> bool:
+        """`vllm-servicer check-vllm ...`: its own parser, which needs no vLLM."""
+        return self.argv[:1] == [CHECK_VLLM]
 
 
 def _logical_lines(block: str, first_line: int) -> list[tuple[int, str]]:
@@ -171,7 +178,7 @@ def _parse(command: DocCommand, argv: list[str]) -> argparse.Namespace:
 
 
 def _param(command: DocCommand) -> object:
-    marks = [] if command.mock else [pytest.mark.vllm]
+    marks = [] if command.mock or command.checks_vllm else [pytest.mark.vllm]
     return pytest.param(command, marks=marks, id=f"{command.doc}:{command.line}")
 
 
@@ -183,6 +190,16 @@ def test_the_docs_print_commands_to_check() -> None:
 
 @pytest.mark.parametrize("command", [_param(command) for command in COMMANDS])
 def test_doc_command_parses(command: DocCommand) -> None:
+    if command.checks_vllm:
+        errors = io.StringIO()
+        try:
+            with contextlib.redirect_stderr(errors):
+                args = check_vllm.build_parser().parse_args(command.argv[1:])
+        except SystemExit:
+            error = errors.getvalue().strip().splitlines()[-1:]
+            pytest.fail(f"{command.doc}:{command.line}: `{command.text}` does not parse: {error}")
+        from_args(check_vllm.CheckVllmConfig, args)
+        return
     if not command.mock:
         require(vllm_available(), "vLLM is not installed (make test): its engine flags")
     args = _parse(command, command.argv)

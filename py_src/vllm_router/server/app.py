@@ -4,7 +4,9 @@ Order of events:
   engine built (by the caller) -> gRPC server started, health NOT_SERVING ->
   serving state checked -> SERVING -> ... -> SIGTERM -> NOT_SERVING, new
   generation RPCs UNAVAILABLE -> in-flight requests finish within the grace
-  period, the rest are aborted -> server stopped -> engine shut down.
+  period, the rest are aborted -> server stopped -> engine shut down (its engine-core
+  processes finish their own teardown) -> the process ends after its atexit handlers,
+  without the interpreter's finalization (server/process_exit.py).
 Engine death reaches the server through the serving state, from whichever path sees
 it first (a failing stream or RPC, a health check, the poll): grpc.health.v1 reports
 NOT_SERVING before that path answers its client, then the server drains and the
@@ -38,6 +40,7 @@ from .config import ServerConfig, StartupError
 from .health_service import LIVENESS, HealthService
 from .interceptors import MalformedRequestInterceptor
 from .metrics_http import MetricsEndpoint, start_metrics_endpoint
+from .process_exit import end_after_atexit
 from .registry import control_methods, enabled_contracts
 from .security import caller_auth, check_keys, server_credentials
 from .transport import build_server, check_transport, transport_sends
@@ -395,4 +398,9 @@ async def serve(engine: AsyncEngine, config: ServerConfig) -> int:
         facts.served_model_name,
         facts.max_model_len,
     )
-    return await running.run_until_shutdown()
+    code = await running.run_until_shutdown()
+    if code == EXIT_OK:
+        # A clean, complete shutdown: what finalization would print is libraries' noise
+        # (process_exit.py). An error path returns before this or exits non-zero, as before.
+        end_after_atexit(code)
+    return code

@@ -95,7 +95,16 @@ def stream_message(
         message.is_finished = True
         message.finish_reason = step.finish_reason or ""
         _set_matched_stop(message, step)
+        _add_spec_decode(usage, step)
     return message
+
+
+def _add_spec_decode(usage: pb.Usage, last: EngineStep) -> None:
+    """A finished sample's speculative-decoding counts, added to `usage`'s."""
+    spec = last.spec_decode
+    if spec is not None:
+        usage.spec_draft_tokens += spec.draft_tokens
+        usage.spec_accepted_tokens += spec.accepted_tokens
 
 
 def direct_step_renderer(request_id: str) -> DirectStepRenderer:
@@ -167,6 +176,8 @@ def unary_response(
         message.usage.prompt_tokens = lasts[0].prompt_tokens
         message.usage.cached_tokens = lasts[0].cached_tokens
         message.usage.completion_tokens = sum(last.completion_tokens for last in lasts)
+        for last in lasts:
+            _add_spec_decode(message.usage, last)
     if len(result.samples) > 1:
         for index, sample in result.in_order():
             entry = message.samples.add(index=index)

@@ -136,6 +136,9 @@ def complete(
         message.matched_stop_str = reason
     elif reason is not None and reason not in eos_ids:  # vLLM reports no match for EOS
         message.matched_token_id = reason
+    if last.spec_decode is not None:  # as vLLM's --grpc server: 0 when vLLM has none
+        message.spec_draft_tokens = last.spec_decode.draft_tokens
+        message.spec_accepted_tokens = last.spec_decode.accepted_tokens
     if last.kv_transfer_params:
         params = dict(last.kv_transfer_params)
         message.kv_transfer_params_json = json.dumps(params)
@@ -232,9 +235,13 @@ def _media_info(facts: ModelFacts) -> dict[str, Any]:
     }
 
 
-def loads(ranks: list[RankLoad], max_running: int, version: str) -> vpb.GetLoadsResponse:
+def loads(
+    ranks: list[RankLoad], max_running: int, version: str, kv_tokens: int = 0
+) -> vpb.GetLoadsResponse:
     """Every rank that has reported figures: one that has not is left out rather than
-    sent as idle (the message has no way to say "unknown")."""
+    sent as idle (the message has no way to say "unknown"). `kv_tokens`: a rank's KV cache
+    in tokens (0: unknown), and from it the tokens in use, as vLLM's --grpc server derives
+    them from the cache's usage."""
     return vpb.GetLoadsResponse(
         timestamp=datetime.now(timezone.utc).isoformat(),
         version=version,
@@ -248,6 +255,8 @@ def loads(ranks: list[RankLoad], max_running: int, version: str) -> vpb.GetLoads
                 token_usage=r.kv_cache_usage,
                 utilization=r.kv_cache_usage,
                 max_running_requests=max_running,
+                max_total_num_tokens=kv_tokens,
+                num_used_tokens=round(max(0.0, r.kv_cache_usage) * kv_tokens),
             )
             for r in ranks
             if r.measured_at is not None

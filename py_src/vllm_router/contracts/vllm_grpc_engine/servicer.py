@@ -165,7 +165,8 @@ class VllmGrpcServicer(ContractServicer, vpb_grpc.VllmEngineServicer):
         ranks = self._engine.loads()
         if request.HasField("dp_rank"):
             ranks = [r for r in ranks if r.dp_rank == request.dp_rank]
-        return responses.loads(ranks, facts.max_num_seqs, facts.engine_version)
+        kv_tokens = facts.total_kv_blocks * facts.block_size  # per rank, as the cache's size
+        return responses.loads(ranks, facts.max_num_seqs, facts.engine_version, kv_tokens)
 
     @handles_errors
     async def GetTokenizer(

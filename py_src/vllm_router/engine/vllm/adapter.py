@@ -42,6 +42,7 @@ from ..types import (
 from .compat import (
     BULK_LATENCIES,
     DIRECT_ENTRY,
+    ENGINE_EXIT,
     ENGINE_PROGRESS,
     ENGINE_SERIES,
     FAST_OUTPUTS,
@@ -230,7 +231,10 @@ class VllmEngine:
         return self._prometheus
 
     async def shutdown(self) -> None:
-        self._llm.shutdown()
+        # Lets engine-core processes finish their own teardown (shutdown.py).
+        from .shutdown import shutdown_engine
+
+        await shutdown_engine(self._llm, wait_for_exits=ENGINE_EXIT in self.features)
 
     async def list_lora_adapters(self) -> list[LoraAdapter]:
         return self._loras.adapters()

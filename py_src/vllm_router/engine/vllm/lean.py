@@ -23,7 +23,7 @@ from typing import Any
 
 from ..direct import DirectReceiver, DirectSteps
 from ..types import EngineStep
-from .params import finish_of
+from .params import finish_of, spec_decode_of
 
 logger = logging.getLogger(__name__)
 
@@ -208,6 +208,9 @@ class LeanStream:
             kv_transfer_params=self._kv_transfer_params,
             error=error,
         )
+        if finish is not None and self._state is not None:
+            # vLLM sets it on the request state from the finishing engine output.
+            step.spec_decode = spec_decode_of(getattr(self._state, "spec_decode_metrics", None))
         self._text.clear()
         self._started = True
         return step

@@ -19,6 +19,7 @@ from ..types import (
     NEUTRAL_DEFAULT,
     FinishReason,
     SamplingOptions,
+    SpecDecodeCounts,
     StructuredOutputs,
     TokenLogprob,
 )
@@ -40,6 +41,12 @@ _PASSED_THROUGH = tuple(
     for f in dataclasses.fields(SamplingOptions)
     if f.name not in _MODEL_DEFAULTED and f.name not in _BUILT
 )
+# Every keyword build_sampling_params may give SamplingParams.from_optional: each option by
+# its name, and the request-level ones (`vllm-servicer check-vllm` looks for them all).
+SAMPLING_KEYWORDS = (
+    *(f.name for f in dataclasses.fields(SamplingOptions)),
+    "detokenize", "extra_args", "output_kind", "skip_clone",
+)  # fmt: skip
 
 
 def build_sampling_params(
@@ -210,6 +217,16 @@ def convert_prompt_logprobs(
     """vLLM's prompt logprobs (None for the first position) -> one entry per prompt token."""
     entries = convert_logprobs(prompt_ids[1:], list(positions or ())[1:], num_top)
     return [TokenLogprob(prompt_ids[0], math.nan), *entries] if prompt_ids else []
+
+
+def spec_decode_of(metrics: Any) -> SpecDecodeCounts | None:
+    """A sample's speculative-decoding counts from vLLM's RequestSpecDecodeMetrics (None
+    without): the draft tokens proposed, and the accepted ones (histogram[j] counts the
+    verify steps that accepted j drafts), as vLLM's own --grpc server reports them."""
+    if metrics is None:
+        return None
+    accepted = sum(j * steps for j, steps in enumerate(metrics.histogram))
+    return SpecDecodeCounts(draft_tokens=int(metrics.num_draft_tokens), accepted_tokens=accepted)
 
 
 def finish_of(
