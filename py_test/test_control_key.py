@@ -299,7 +299,7 @@ async def test_a_refused_call_changes_nothing(start_mock: StartServer) -> None:
     await refused(ctl.StartWeightUpdate(npb.StartWeightUpdateRequest()))
     chunk = npb.UpdateWeightsRequest(update_info_json=b'{"path": "evil"}')
     await refused(ctl.UpdateWeights(chunk))
-    assert engine._updating is False and engine.weight_updates == []
+    assert engine.weights.updating is False and engine.weight_updates == []
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await ctl.FinishWeightUpdate(npb.FinishWeightUpdateRequest(), metadata=key)
     assert (err.value.code(), err.value.details()) == (
@@ -320,16 +320,16 @@ async def test_a_refused_call_changes_nothing(start_mock: StartServer) -> None:
     await ctl.ResumeGeneration(npb.ResumeGenerationRequest(), metadata=key)
     assert not (await ctl.IsPaused(npb.IsPausedRequest(), metadata=key)).paused
     await ctl.StartWeightUpdate(npb.StartWeightUpdateRequest(), metadata=key)
-    assert engine._updating is True
+    assert engine.weights.updating is True
     # An open update: a refused chunk or finish neither loads nor closes it.
     await refused(ctl.UpdateWeights(chunk))
     await refused(ctl.FinishWeightUpdate(npb.FinishWeightUpdateRequest(weight_version="evil")))
-    assert engine._updating is True and engine.weight_updates == []
+    assert engine.weights.updating is True and engine.weight_updates == []
     good = npb.UpdateWeightsRequest(update_info_json=b'{"path": "a"}')
     await ctl.UpdateWeights(good, metadata=key)
     step = npb.FinishWeightUpdateRequest(weight_version="step-1")
     await ctl.FinishWeightUpdate(step, metadata=key)
-    assert engine._updating is False and engine.weight_updates == [{"path": "a"}]
+    assert engine.weights.updating is False and engine.weight_updates == [{"path": "a"}]
     version = await ctl.GetWeightVersion(npb.GetWeightVersionRequest(), metadata=key)
     assert version.weight_version == "step-1"
     answer = await inference.Generate(generation(2))
@@ -473,7 +473,7 @@ async def test_no_admin_rpcs_refuses_every_control_rpc_whatever_the_key(
         assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
     engine: MockAsyncEngine = harness.engine
     assert await engine.weight_version() == "default"
-    assert not await engine.is_paused() and engine._updating is False
+    assert not await engine.is_paused() and engine.weights.updating is False
     # Router RPCs, health and reflection as ever (with the key they need, if any).
     router_key = bearer(API_KEY) if "api_key" in keys else None
     await _router_calls_work(harness.channel, router_key)

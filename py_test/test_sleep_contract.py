@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from vllm_router.contracts.vllm_native import convert
+from vllm_router.contracts.vllm_native import control
 from vllm_router.engine import ModelFacts
 from vllm_router.engine.vllm.adapter import VllmEngine
 from vllm_router.engine.vllm.holds import Holds
@@ -28,11 +28,11 @@ SLEEPY = dataclasses.replace(FACTS, sleep_mode=True)
 def test_sleep_mode_is_checked_before_the_mode_and_the_level() -> None:
     wrong = npb.SleepRequest(level=3, mode=9)  # type: ignore[arg-type]
     with pytest.raises(NotConfigured, match="sleep mode is not enabled"):
-        convert.sleep(wrong, FACTS)
+        control.sleep(wrong, FACTS)
     with pytest.raises(InvalidRequest, match="mode"):
-        convert.sleep(wrong, SLEEPY)
+        control.sleep(wrong, SLEEPY)
     with pytest.raises(InvalidRequest) as level:
-        convert.sleep(npb.SleepRequest(level=3), SLEEPY)
+        control.sleep(npb.SleepRequest(level=3), SLEEPY)
     assert str(level.value) == "invalid sleep level `3`; expected one of: 0, 1, 2"
 
 
@@ -50,7 +50,7 @@ def test_sleep_mode_is_checked_before_the_mode_and_the_level() -> None:
 def test_levels_0_1_2_and_reset_connector_true_when_absent(
     request_: npb.SleepRequest, expected: tuple[int, str, bool]
 ) -> None:
-    assert convert.sleep(request_, SLEEPY) == expected
+    assert control.sleep(request_, SLEEPY) == expected
 
 
 class _Sleeper:

@@ -37,8 +37,6 @@ from prometheus_client.registry import Collector
 
 from .. import __version__
 from ..engine import (
-    NO_DRAFT_MODEL,
-    NO_WEIGHT_TRANSFER,
     DirectReceiver,
     DirectSteps,
     Embedding,
@@ -57,7 +55,6 @@ from ..engine import (
 from ..engine.types import FinishReason
 from ..errors import (
     EngineDead,
-    EngineOperationFailed,
     InvalidRequest,
     NotConfigured,
     Unsupported,
@@ -67,6 +64,7 @@ from .mock_decode import SampleDecoder, cached_prefix, check_supported, every_in
 from .mock_load import load_of, rank_loads
 from .mock_media import media_limits, prompt_with_media
 from .mock_sampling import mock_logprobs, validate_sampling
+from .mock_weights import MockWeights
 
 NO_LORA = "the mock engine has no LoRA adapters"
 NO_SLEEP = "sleep mode is not enabled on this engine (the mock has none)"
@@ -85,23 +83,6 @@ class _Request:
     through_pause: bool = False
     # Its latest step is out and its consumer has not asked for the next one yet.
     handed_out: bool = False
-
-
-# An update_info key that makes the mock's UpdateWeights fail as a weight-transfer backend
-# can fail, by what it leaves of the model (core/weight_updates.py): "refused" (nothing
-# loaded), "part-loaded" (undone by a new update) or "lost" (the engine cannot restore it).
-MOCK_FAILURE = "mock_failure"
-
-
-def _mock_failure(kind: str) -> EngineOperationFailed:
-    message = f"update_weights failed: the mock was told to fail ({kind})"
-    if kind == "refused":
-        return EngineOperationFailed(message, model_whole=True)
-    if kind == "part-loaded":
-        return EngineOperationFailed(message, model_whole=False, restartable=True)
-    if kind == "lost":
-        return EngineOperationFailed(message, model_whole=False)
-    raise InvalidRequest(f"{MOCK_FAILURE} must be refused, part-loaded or lost, not {kind!r}")
 
 
 class MockAsyncEngine:
@@ -141,10 +122,7 @@ class MockAsyncEngine:
         self._running = asyncio.Event()
         self._running.set()
         self._pause_drained = asyncio.Event()  # set when no request runs through a pause
-        self._weight_version = "default"
-        # A weight update between start and finish (vLLM's workers keep the same flag).
-        self._updating = False
-        self.weight_updates: list[dict[str, Any]] = []  # every update_info taken
+        self.weights = MockWeights(self._facts.weight_transfer_backend)
         self._last_step = time.monotonic()
         # Monotonic time until which every request's steps are held (stall injection).
         self._stalled_until: float | None = None
@@ -258,51 +236,27 @@ class MockAsyncEngine:
         return False
 
     async def weight_version(self) -> str:
-        return self._weight_version
+        return self.weights.version
 
     async def set_weight_version(self, version: str) -> None:
-        self._weight_version = version
+        self.weights.version = version
 
     async def init_weight_transfer(self, init_info: dict[str, Any]) -> None:
-        self._require_weight_transfer()
+        self.weights.init(init_info)
 
     async def start_weight_update(self, *, draft: bool) -> None:
-        self._require_weight_transfer()
-        if draft:
-            raise NotConfigured(NO_DRAFT_MODEL)
-        if self._updating:
-            raise EngineOperationFailed(
-                "start_weight_update failed: start_weight_update called while a weight "
-                "update is already active. Call finish_weight_update first."
-            )
-        self._updating = True
+        self.weights.start(draft=draft)
 
     async def update_weights(self, update_info: dict[str, Any]) -> None:
-        self._require_weight_transfer()
-        if not self._updating:
-            raise EngineOperationFailed(
-                "update_weights failed: start_weight_update must be called before update_weights."
-            )
-        failure = update_info.get(MOCK_FAILURE)
-        if failure is not None:
-            self._updating = False  # as vLLM's workers end an update that failed
-            raise _mock_failure(str(failure))
-        self.weight_updates.append(update_info)
+        self.weights.update(update_info)
 
     async def finish_weight_update(self, version: str | None) -> None:
-        self._require_weight_transfer()
-        if not self._updating:
-            raise EngineOperationFailed(
-                "finish_weight_update failed: finish_weight_update called without a matching "
-                "start_weight_update."
-            )
-        self._updating = False
-        if version is not None:
-            self._weight_version = version
+        self.weights.finish(version)
 
-    def _require_weight_transfer(self) -> None:
-        if not self._facts.weight_transfer_backend:
-            raise NotConfigured(NO_WEIGHT_TRANSFER)
+    @property
+    def weight_updates(self) -> list[dict[str, Any]]:
+        """Every update_info the mock took, in order."""
+        return self.weights.updates
 
     stop_profile = start_profile
 

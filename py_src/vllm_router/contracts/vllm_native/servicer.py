@@ -23,7 +23,7 @@ from ...engine import NO_DRAFT_MODEL, NO_WEIGHT_TRANSFER, EngineStep, Generation
 from ...errors import InvalidRequest, NotConfigured, NotFound
 from ...proto import vllm_native_pb2 as npb
 from ...proto import vllm_native_pb2_grpc as npb_grpc
-from . import convert, responses
+from . import control, convert, responses
 from .responses import Wanted
 
 INFERENCE_SERVICE = npb.DESCRIPTOR.services_by_name["Inference"].full_name
@@ -228,7 +228,7 @@ class NativeControlServicer(ContractServicer, npb_grpc.ControlServicer):
     async def PauseGeneration(
         self, request: npb.PauseGenerationRequest, context: Context
     ) -> npb.PauseGenerationResponse:
-        mode, clear_cache = convert.pause(request)
+        mode, clear_cache = control.pause(request)
         await self._state.require_engine()
         pause = functools.partial(self._engine.pause, mode, clear_cache)
         await self._operation("pause", context, pause, mode=mode, clear_cache=clear_cache)
@@ -252,7 +252,7 @@ class NativeControlServicer(ContractServicer, npb_grpc.ControlServicer):
     @handles_errors
     async def Sleep(self, request: npb.SleepRequest, context: Context) -> npb.SleepResponse:
         await self._state.require_engine()
-        level, mode, reset_connector = convert.sleep(request, self._engine.facts)
+        level, mode, reset_connector = control.sleep(request, self._engine.facts)
         sleep = functools.partial(self._engine.sleep, level, mode, reset_connector=reset_connector)
         await self._operation("sleep", context, sleep, level=level, mode=mode)
         return npb.SleepResponse()
@@ -276,7 +276,7 @@ class NativeControlServicer(ContractServicer, npb_grpc.ControlServicer):
         self, request: npb.InitWeightTransferEngineRequest, context: Context
     ) -> npb.InitWeightTransferEngineResponse:
         self._require_weight_transfer()
-        init_info = convert.json_object(request.init_info_json, "init_info_json")
+        init_info = control.json_object(request.init_info_json, "init_info_json")
         await self._state.require_engine()
         init = functools.partial(self._engine.init_weight_transfer, init_info)
         await self._operation("init_weight_transfer", context, init, Step.INIT)
@@ -309,7 +309,7 @@ class NativeControlServicer(ContractServicer, npb_grpc.ControlServicer):
         self, request: npb.UpdateWeightsRequest, context: Context
     ) -> npb.UpdateWeightsResponse:
         self._require_weight_transfer()
-        update_info = convert.json_object(request.update_info_json, "update_info_json")
+        update_info = control.json_object(request.update_info_json, "update_info_json")
         await self._state.require_engine()
         update = functools.partial(self._engine.update_weights, update_info)
         await self._operation("update_weights", context, update, Step.UPDATE)
@@ -322,7 +322,7 @@ class NativeControlServicer(ContractServicer, npb_grpc.ControlServicer):
         self._require_weight_transfer()
         version = None
         if request.HasField("weight_version"):
-            version = convert.weight_version(request.weight_version)
+            version = control.weight_version(request.weight_version)
         await self._state.require_engine()
         finish = functools.partial(self._engine.finish_weight_update, version)
         await self._operation(
@@ -334,7 +334,7 @@ class NativeControlServicer(ContractServicer, npb_grpc.ControlServicer):
     async def UpdateWeightVersion(
         self, request: npb.UpdateWeightVersionRequest, context: Context
     ) -> npb.UpdateWeightVersionResponse:
-        version = convert.weight_version(request.weight_version)
+        version = control.weight_version(request.weight_version)
         await self._state.require_engine()
         set_version = functools.partial(self._engine.set_weight_version, version)
         await self._operation("update_weight_version", context, set_version, weight_version=version)

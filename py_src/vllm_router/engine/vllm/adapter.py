@@ -18,14 +18,11 @@ from prometheus_client.registry import Collector
 
 from ...errors import (
     EngineDead,
-    EngineOperationFailed,
-    InvalidRequest,
     NotConfigured,
-    ServicerError,
     Unsupported,
 )
 from ..direct import DirectReceiver, takes_direct_steps
-from ..protocol import NO_DRAFT_MODEL, NO_WEIGHT_TRANSFER, PauseMode
+from ..protocol import PauseMode
 from ..types import (
     Embedding,
     EngineProgress,
@@ -59,7 +56,6 @@ from .compat import (
 from .entry import DirectEntry, VllmCall
 from .facts import model_facts, read_tokenizer_files
 from .fast_outputs import FastOutputs
-from .file_weights import NO_ROOT, WeightFileRule
 from .generate import lean_steps, request_output_steps
 from .holds import Holds
 from .introspect import parameters
@@ -68,6 +64,7 @@ from .lora import LoraRegistry
 from .media_inputs import media_input, processed_input
 from .params import SharedParams, build_sampling_params, reraise
 from .stats import BulkLatencies, LoadBoard, capture_engine_registry
+from .weight_transfer import WeightTransfer
 
 if TYPE_CHECKING:
     from vllm.engine.arg_utils import AsyncEngineArgs
@@ -141,13 +138,13 @@ class VllmEngine:
         )
         self._facts = model_facts(llm, self._model_defaults, media=MEDIA in self.features)
         self._loras = LoraRegistry(llm, self._facts.supports_lora)
-        # The file backend's paths, checked here before vLLM's workers check them again.
-        self._weight_files = WeightFileRule.of(
-            self._facts.weight_transfer_backend,
+        self._weights = WeightTransfer(
+            llm,
+            self._facts,
+            self._call,
+            supported=WEIGHT_TRANSFER in self.features,
             restartable=WEIGHT_RELOAD_ABORT in self.features,
         )
-        if self._weight_files.applies and self._weight_files.root is None:
-            logger.warning("--weight-transfer-config names the file backend: %s", NO_ROOT)
         if self._model_defaults:
             logger.info(
                 "Model generation-config defaults for unset fields: %s", self._model_defaults
@@ -301,75 +298,16 @@ class VllmEngine:
         await self._call(self._llm.update_weight_version, version)
 
     async def init_weight_transfer(self, init_info: dict[str, Any]) -> None:
-        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
-
-        self._require_weight_transfer()
-        root = self._weight_files.narrowed(init_info)
-        request = WeightTransferInitRequest(init_info=init_info)
-        await self._engine_operation("init_weight_transfer_engine", request)
-        self._weight_files.root = root
+        await self._weights.init(init_info)
 
     async def start_weight_update(self, *, draft: bool) -> None:
-        self._require_weight_transfer()
-        if draft and not self._facts.draft_weight_updates:
-            raise NotConfigured(NO_DRAFT_MODEL)
-        name = "start_draft_weight_update" if draft else "start_weight_update"
-        try:
-            await self._engine_operation(name)
-        except EngineOperationFailed as exc:
-            # The file backend's Start stages nothing and loads nothing.
-            raise self._weight_files.outcome(exc, loads=False) from exc
+        await self._weights.start(draft=draft)
 
     async def update_weights(self, update_info: dict[str, Any]) -> None:
-        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
-
-        self._require_weight_transfer()
-        self._weight_files.check_update(update_info)
-        request = WeightTransferUpdateRequest(update_info=update_info)
-        try:
-            await self._engine_operation("update_weights", request)
-        except EngineOperationFailed as exc:
-            # The file backend stages a chunk; it loads nothing before Finish.
-            raise self._weight_files.outcome(exc, loads=False) from exc
+        await self._weights.update(update_info)
 
     async def finish_weight_update(self, version: str | None) -> None:
-        self._require_weight_transfer()
-        try:
-            await self._engine_operation("finish_weight_update", weight_version=version)
-        except EngineOperationFailed as exc:
-            failed = self._weight_files.outcome(exc, loads=True)
-            if failed.model_whole is not None or failed.restartable:
-                # vLLM's workers keep a failed Finish's update open: close it (nothing is
-                # staged any more, so this loads nothing and sets no version).
-                await self._close_failed_update()
-            raise failed from exc
-
-    async def _close_failed_update(self) -> None:
-        try:
-            await self._llm.finish_weight_update()
-        except Exception as exc:
-            logger.warning("Could not close the failed weight update in vLLM's workers: %s", exc)
-
-    def _require_weight_transfer(self) -> None:
-        if not self._facts.weight_transfer_backend:
-            raise NotConfigured(NO_WEIGHT_TRANSFER)
-        if WEIGHT_TRANSFER not in self.features:
-            raise Unsupported(
-                f"this vLLM's weight-transfer API is not the one this worker was built for "
-                f"(vLLM {self._facts.engine_version}; see the start-up log)"
-            )
-
-    async def _engine_operation(self, name: str, *args: Any, **kwargs: Any) -> None:
-        """One of AsyncLLM's engine operations; the engine's refusal (its workers' message,
-        e.g. an update out of order) is told as vLLM's Rust front end tells it."""
-        try:
-            await self._call(getattr(self._llm, name), *args, **kwargs)
-        except InvalidRequest as exc:  # a worker's ValueError: still the engine's refusal
-            raise EngineOperationFailed(f"{name} failed: {exc.message}") from exc
-        except ServicerError:
-            raise
-        except Exception as exc:
-            raise EngineOperationFailed(f"{name} failed: {exc}") from exc
+        await self._weights.finish(version)
 
     def _require_sleep_mode(self) -> None:
         if not self._llm.vllm_config.model_config.enable_sleep_mode:
