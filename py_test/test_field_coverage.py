@@ -199,11 +199,27 @@ async def _native_fields(address: str) -> dict[str, set[str]]:
     return seen
 
 
-def _report(title: str, only: set[tuple[str, str]], known: dict[tuple[str, str], str]) -> str:
-    rows = [f"{title}:"]
-    for message, field in sorted(only):
-        rows.append(f"  {message}.{field}: {known.get((message, field), 'NEW, not explained')}")
-    return "\n".join(rows)
+def _compare(
+    reference: str,
+    ours: dict[str, set[str]],
+    theirs: dict[str, set[str]],
+    known: tuple[dict[tuple[str, str], str], dict[tuple[str, str], str]],
+    figures: Any,
+) -> None:
+    """Every field only one side filled is a known one (`known`: reference-only, ours-only),
+    and each known one was seen: a report of both, with the reasons, among the figures."""
+    reference_only, ours_only = differences(ours, theirs)
+    rows = []
+    for title, only, reasons in (
+        (f"only {reference} fills", reference_only, known[0]),
+        ("only ours fills", ours_only, known[1]),
+    ):
+        rows.append(f"{title}:")
+        for message, field in sorted(only):
+            reason = reasons.get((message, field), "NEW, not explained")
+            rows.append(f"  {message}.{field}: {reason}")
+    figures("\n".join(rows))
+    assert (reference_only, ours_only) == (set(known[0]), set(known[1]))
 
 
 async def test_vllm_grpc_engine_fills_what_vllms_grpc_server_fills(
@@ -211,14 +227,7 @@ async def test_vllm_grpc_engine_fills_what_vllms_grpc_server_fills(
 ) -> None:
     ours = await _vllm_grpc_fields(real.address)
     theirs = await _vllm_grpc_fields(vllm_grpc_reference)
-    reference_only, ours_only = differences(ours, theirs)
-    figures(
-        _report("only vLLM's --grpc server fills", reference_only, REFERENCE_ONLY)
-        + "\n"
-        + _report("only ours fills", ours_only, OURS_ONLY)
-    )
-    assert reference_only == set(REFERENCE_ONLY)
-    assert ours_only == set(OURS_ONLY)
+    _compare("vLLM's --grpc server", ours, theirs, (REFERENCE_ONLY, OURS_ONLY), figures)
     await wait_until(lambda: real_engine_idle(real), what="nothing left running")
 
 
@@ -227,12 +236,6 @@ async def test_the_native_contract_fills_what_vllm_rs_fills(
 ) -> None:
     ours = await _native_fields(real.address)
     theirs = await _native_fields(vllm_rs_reference)
-    reference_only, ours_only = differences(ours, theirs)
-    figures(
-        _report("only vllm-rs fills", reference_only, NATIVE_REFERENCE_ONLY)
-        + "\n"
-        + _report("only ours fills", ours_only, NATIVE_OURS_ONLY)
-    )
-    assert reference_only == set(NATIVE_REFERENCE_ONLY)
-    assert ours_only == set(NATIVE_OURS_ONLY)
+    known = (NATIVE_REFERENCE_ONLY, NATIVE_OURS_ONLY)
+    _compare("vllm-rs", ours, theirs, known, figures)
     await wait_until(lambda: real_engine_idle(real), what="nothing left running")
