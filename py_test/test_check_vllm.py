@@ -64,11 +64,15 @@ def test_every_touch_point_runs_on_the_installed_vllm() -> None:
         assert f"  runs        {point.name}  [{point.feature}]" in out, point.name
     for feature in {point.feature for point in compat.TOUCH_POINTS}:
         assert f"  runs        {feature}\n" in out, feature
+    # Every public call is there but what only a later vLLM has (0.34's sleep keyword).
+    later = {call.name for call in public_api.PUBLIC_API if "(vLLM 0.34)" in call.name}
+    assert later, "the table names what only vLLM 0.34 has"
     for call in public_api.PUBLIC_API:
-        assert f"  ok        {call.name}: " in out, call.name
+        state = "missing" if call.name in later else "ok"
+        assert f"  {state:<10}{call.name}: " in out, call.name
     assert FALLS_BACK not in out
-    assert not re.search(r"^  missing ", out, re.M | re.I)
-    assert "Result: every feature runs" in out
+    assert len(re.findall(r"^  missing ", out, re.M)) == len(later)
+    assert f"Result: {len(later)} non-essential public calls missing; the worker serves." in out
 
 
 def _fake_vllm(root: Path, version: str) -> Path:
@@ -141,7 +145,7 @@ def test_a_changed_signature_falls_back_for_its_feature_alone(
         "  falls back  IncrementalDetokenizer.get_next_output_text  [lean outputs]: "
         "takes (finished)" in text
     )
-    assert f"1 of {FEATURES} features fall back; the worker serves." in text
+    assert f"1 of {FEATURES} features fall back; " in text and "the worker serves." in text
     assert check_vllm.exit_status(report) == 0  # the worker serves, on vLLM's public path
     assert check_vllm.exit_status(report, require_all=True) == 1
 

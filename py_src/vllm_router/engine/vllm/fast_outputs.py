@@ -24,7 +24,10 @@ plain steps, those that carry nothing but new tokens.
 
 from __future__ import annotations
 
+import ast
+import inspect
 import logging
+import textwrap
 from collections.abc import Callable
 from typing import Any
 
@@ -32,29 +35,6 @@ from .lean import LeanStream
 from .stats import BULK_LATENCIES
 
 logger = logging.getLogger(__name__)
-
-# EngineCoreOutput fields that are None on a plain step; any of them set sends the step
-# to vLLM's path (compat.py checks that the struct still has every one).
-EXTRAS = (
-    "new_logprobs", "new_prompt_logprobs_tensors", "pooling_output", "finish_reason",
-    "stop_reason", "events", "kv_transfer_params", "ec_transfer_params", "prefill_stats",
-    "routed_experts", "mm_cache_miss_hashes", "new_sampling_mask", "spec_decode_metrics",
-    "prompt_token_id_logprobs",
-)  # fmt: skip
-
-
-def _extras_check(fields: tuple[str, ...]) -> Callable[[Any], bool]:
-    """`out.a is not None or out.b is not None or ...` over `fields`, compiled once: the
-    list above is the only one, and the check runs per request per step, where a loop over
-    names or an attrgetter tuple costs about half as much again."""
-    assert all(name.isidentifier() for name in fields)
-    test = " or ".join(f"out.{name} is not None" for name in fields)
-    check: Callable[[Any], bool] = eval(f"lambda out: {test}")
-    return check
-
-
-# Whether an EngineCoreOutput carries more than new tokens (not a plain step).
-carries_extras = _extras_check(EXTRAS)
 
 
 class FastOutputs:
@@ -107,7 +87,28 @@ class FastOutputs:
         for out in engine_core_outputs:
             stream = streams.get(out.request_id)
             state = states.get(out.request_id) if stream is not None else None
-            if stream is None or state is None or state.is_prefilling or carries_extras(out):
+            # Anything but new tokens sends the step to vLLM's path: the one list of those
+            # fields (EXTRAS below is read from it; compat.py checks it at start). Spelled out
+            # here, not called, since it runs per request per step.
+            if (
+                stream is None
+                or state is None
+                or state.is_prefilling
+                or out.finish_reason is not None
+                or out.stop_reason is not None
+                or out.events is not None
+                or out.prefill_stats is not None
+                or out.kv_transfer_params is not None
+                or out.ec_transfer_params is not None
+                or out.new_logprobs is not None
+                or out.new_prompt_logprobs_tensors is not None
+                or out.prompt_token_id_logprobs is not None
+                or out.pooling_output is not None
+                or out.routed_experts is not None
+                or out.mm_cache_miss_hashes is not None
+                or out.new_sampling_mask is not None
+                or out.spec_decode_metrics is not None
+            ):
                 rest.append(out)
                 continue
             tokens = out.new_token_ids
@@ -134,3 +135,23 @@ class FastOutputs:
             iteration_stats.num_generation_tokens += generated
         # vLLM's path for the rest, also when empty (it returns its own result type).
         return self._vllm_path(rest, engine_core_timestamp, iteration_stats, weight_version)
+
+
+def _fields_tested(method: Callable[..., Any]) -> tuple[str, ...]:
+    """The EngineCoreOutput fields `method` tests in its `or` chain (`out.X is not None`),
+    read from its code once: the chain is the one list, this is its name for compat.py."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(method)))
+    return tuple(
+        node.left.attr
+        for chain in ast.walk(tree)
+        if isinstance(chain, ast.BoolOp) and isinstance(chain.op, ast.Or)
+        for node in chain.values
+        if isinstance(node, ast.Compare)
+        and isinstance(node.left, ast.Attribute)
+        and isinstance(node.left.value, ast.Name)
+        and node.left.value.id == "out"
+    )
+
+
+# EngineCoreOutput fields that are None on a plain step (see `_process_outputs`).
+EXTRAS = _fields_tested(FastOutputs._process_outputs)
