@@ -679,3 +679,56 @@ def test_the_mock_engine_suite_passes_on_native(figures, tmp_path: Path) -> None
         f"{len(NATIVE_SUITE)} files on --transport native in {elapsed:.0f}s (two halves side by "
         "side): " + ", ".join(f"{n} {kind}" for kind, n in sorted(counts.items()))
     )
+
+
+class _CountingFront:
+    """pygrpc-native's front, with every stream_try_send's answer kept per call, in order."""
+
+    def __init__(self, front: Any) -> None:
+        self._front = front
+        self.answers: dict[Any, list[int]] = {}
+
+    def stream_try_send(self, call_id: Any, data: bytes) -> int:
+        answer = int(self._front.stream_try_send(call_id, data))
+        self.answers.setdefault(call_id, []).append(answer)
+        return answer
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._front, name)
+
+
+async def test_a_native_streams_first_token_is_taken_at_once(start_mock: StartServer) -> None:
+    """pygrpc-native takes one message per stream at a time from its handler (a message
+    right behind another waits for its io thread: STREAM_FULL, then the send's retry loop).
+    The native contract's prompt_info therefore goes before the engine's first step, not in
+    front of the first token: at c = 1 the first token is sent on its first try (before,
+    it waited on all 30 of 30 streams)."""
+    _require("native")
+    from pygrpc_native import STREAM_SENT
+
+    from vllm_router.proto import vllm_native_pb2 as npb
+    from vllm_router.proto import vllm_native_pb2_grpc as npb_grpc
+
+    # A prefill of 5 ms, as a short prompt's on a small model: the time prompt_info has.
+    harness = await start_mock(
+        ServerConfig(port=0, transport="native", metrics_port=0),
+        prefill_delay=0.005,
+        step_delay=0.005,
+    )
+    server: Any = harness.server.server
+    front = server._front = _CountingFront(server._front)
+    inference = npb_grpc.InferenceStub(harness.channel)
+    for i in range(30):
+        request = npb.GenerateRequest(
+            request_id=f"first-token-{i}",
+            stopping=npb.StoppingCriteria(max_new_tokens=4, ignore_eos=True),
+            response=npb.ResponseOptions(output_token_ids=True, output_text=False),
+        )
+        request.token_ids.ids.extend([5, 6, 7])
+        messages = [m async for m in inference.GenerateStream(request)]
+        assert messages[0].HasField("prompt_info") and messages[1].outputs.token_ids
+    assert len(front.answers) == 30
+    # Per stream: prompt_info, then the first token, each taken on its first try.
+    assert all(answers[:2] == [STREAM_SENT] * 2 for answers in front.answers.values()), [
+        answers[:4] for answers in front.answers.values()
+    ]

@@ -24,6 +24,9 @@ class MockConfig:
     eos_token_id: int = 2
     tokens_per_step: int = field(default=1, metadata={"help": "tokens each engine step makes"})
     step_delay: float = field(default=0.0, metadata={"help": "seconds between engine steps"})
+    prefill_delay: float = field(
+        default=0.0, metadata={"help": "seconds before a request's first step (its prefill)"}
+    )
     stream_interval: int = field(
         default=1,
         metadata={

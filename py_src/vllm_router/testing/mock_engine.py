@@ -391,6 +391,8 @@ class MockAsyncEngine:
             SampleDecoder(i, state.prompt, s, self._facts, self.config, request.detokenize)
             for i in range(s.n or 1)
         ]
+        if self.config.prefill_delay > 0:
+            await asyncio.sleep(self.config.prefill_delay)
         while active:
             if self._stalled_until is not None:
                 await self._stall()
