@@ -40,8 +40,8 @@ SHUT_DOWN = (
 
 # A stream's send that never waits, as its transport gives it: `send(message)` sends one
 # response message; True if the transport took it (it goes out after every message before
-# it), False if it cannot now (the client's flow-control window is full, or the stream has
-# ended). It never blocks or raises.
+# it), False if it cannot now (the client's flow-control window is full, the transport
+# still holds the message before it, or the stream has ended). It never blocks or raises.
 TransportSend = Callable[[Any], bool]
 
 # A contract's prebuilt rendering of a plain step (new token ids and nothing else) into the

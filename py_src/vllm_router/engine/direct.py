@@ -20,7 +20,7 @@ adapter's LeanStream, the mock) asks and no consumer answers:
   while the consumer waits for the next step with nothing buffered for it: the receiver's
   tokens then come after everything yielded before and before everything yielded after.
 
-The receiver may refuse (returns False: a direct send whose client window is full, or
+The receiver may refuse (returns False: a direct send the transport cannot take now, or
 whose stream has closed); the engine then buffers the step and yields it as any other,
 merged with the steps after it while the consumer is busy (so a refused step is never lost,
 and a consumer that falls behind is handed fewer, larger steps). The request's tokens are

@@ -86,7 +86,11 @@ _IGNORED_BY_NATIVE = frozenset(
 # is --max-concurrent-streams, in the serving core, on either transport.
 NATIVE_MAX_STREAMS_PER_CONNECTION = 2**31 - 1
 
-# How a send the client's window cannot take yet is retried. A client that reads, only
+# How a send the transport cannot take yet is retried: STREAM_FULL says the client's window
+# is full, or only that the stream's io thread has not yet taken the message before it
+# (pygrpc-native 0.5.0 holds one message per stream between the handler and its io thread:
+# a channel of capacity 1, read from its binary; test_transport.py's first-token test). A
+# client that reads, only
 # slower than the engine writes, frees room for the next message within a fraction of a
 # millisecond, less than the shortest sleep the event loop can do (1 ms; sleeping that long
 # per message cut such a stream to a quarter of its rate): the send first retries on every
@@ -340,7 +344,8 @@ def _polling_send_server(aio: ModuleType) -> type[grpc.aio.Server]:
             front = self._front
             sent = front.stream_try_send(call.call_id, data)
             if sent == full:
-                # The client's window is full. Waiting on the loop, not in a thread, is what
+                # The client's window is full, or the io thread has the message before this
+                # one still. Waiting on the loop, not in a thread, is what
                 # lets a cancel (the client's, a deadline, the stall watchdog) end the wait.
                 spin_until = time.monotonic() + _SEND_SPIN_SECONDS
                 delay = _SEND_RETRY_FIRST_SECONDS
