@@ -70,9 +70,10 @@ class ServerConfig:
     )
     direct_sends: bool = _opt(
         True,
-        "with --transport native, send a stream's plain decode steps from the engine's "
-        "output loop without waking the request's task (steps merge only while the "
-        "client's window is full); --no-direct-sends sends every message from the handler",
+        "with --transport native, send a stream's plain steps (new tokens only) directly "
+        "from the engine's output loop without waking the request's task (steps merge only "
+        "while the transport cannot take them); --no-direct-sends sends every message "
+        "from the handler",
     )
     shutdown_grace_seconds: float = _opt(
         30.0, "on SIGTERM/SIGINT, how long in-flight requests may run before they are aborted"
