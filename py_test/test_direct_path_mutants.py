@@ -21,7 +21,7 @@ from vllm_router.core.flight import SHUT_DOWN, Flight
 from vllm_router.core.health import ServingState
 from vllm_router.core.metrics import ServicerMetrics
 from vllm_router.core.requests import RequestTable
-from vllm_router.engine import EngineStep, GenerationRequest, SamplingOptions
+from vllm_router.engine import EngineStep, GenerationRequest, SamplingOptions, SpecDecodeCounts
 from vllm_router.engine.vllm.lean import LeanStream
 from vllm_router.errors import EngineUnavailable
 from vllm_router.testing.mock_engine import MockAsyncEngine, MockConfig
@@ -122,6 +122,25 @@ async def test_text_held_back_for_a_stop_string_comes_whole_at_the_finish() -> N
     assert "".join(texts) == "<1><2><3>"
 
 
+async def test_only_the_last_step_tells_the_requests_speculative_decoding_counts() -> None:
+    """vLLM's per-request counts (--per-request-spec-decode-metrics, RequestSpecDecodeMetrics
+    on the request state): the drafts proposed and, from the histogram of drafts accepted
+    per verify step, the accepted ones; a request without them tells none."""
+    s = state()
+    s.spec_decode_metrics = SimpleNamespace(num_draft_tokens=6, histogram=[1, 0, 2])
+    stream = LeanStream("r", s, detokenize=False, prompt_tokens=5)
+    output(s, [1])
+    assert (await stream.next_step()).spec_decode is None
+    output(s, [2, 3], finish="length")
+    last = await stream.next_step()
+    assert last.spec_decode == SpecDecodeCounts(draft_tokens=6, accepted_tokens=4)
+
+    plain = state()  # speculative decoding off: vLLM's state has no counts
+    stream = LeanStream("r", plain, detokenize=False, prompt_tokens=5)
+    output(plain, [1], finish="length")
+    assert (await stream.next_step()).spec_decode is None
+
+
 # -- LeanStream under the rule of engine/direct.py ---------------------------------------------
 
 
@@ -166,6 +185,33 @@ async def test_a_stream_counts_as_stalled_only_while_a_message_waits_for_its_cli
     since = flight.stalled_since()
     assert since is not None and before <= since <= time.monotonic()
     assert [m async for m in messages] == [([2], 5, 2, 2)]  # every message taken
+    assert flight.stalled_since() is None
+
+
+async def test_a_message_before_the_first_step_waits_for_its_client_as_any_other() -> None:
+    """What a stream says before the engine's first step (the native contract's prompt_info)
+    counts as stalled while the client has not taken it; once taken, the stream waits for the
+    engine (a long prompt's prefill), which is no stall."""
+    prefilled = asyncio.Event()
+
+    async def prefilling() -> Any:
+        await prefilled.wait()
+        yield step([1], 1, finished=True)
+
+    flight = Flight("r", None)
+    flight.begin(prefilling())
+    said: list[Any] = ["prompt info"]
+    messages = flight.messages(render, before=said)
+    before = time.monotonic()
+    assert await messages.__anext__() == "prompt info"
+    since = flight.stalled_since()
+    assert since is not None and before <= since <= time.monotonic()
+    first = asyncio.ensure_future(messages.__anext__())  # the client took it
+    await asyncio.sleep(0)
+    assert not first.done() and flight.stalled_since() is None
+    prefilled.set()
+    assert await asyncio.wait_for(first, 1) == ([1], 5, 1, 2)
+    assert [m async for m in messages] == []
     assert flight.stalled_since() is None
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from vllm_router.engine.vllm.fast_outputs import EXTRAS, FastOutputs
+from vllm_router.engine.vllm.fast_outputs import EXTRAS, FastOutputs, _fields_tested
 from vllm_router.engine.vllm.lean import LeanStream
 from vllm_router.engine.vllm.stats import BULK_LATENCIES
 
@@ -248,3 +248,17 @@ def test_a_weight_version_change_starts_a_span_where_its_tokens_start() -> None:
     assert run.state("a").weight_version_starts == [("v1", 0), ("v2", 3)]
     # vLLM's path is told the version too (for the requests it serves).
     assert [call[3] for call in run.processor.calls] == ["v1", "v1", "v2", "v2", None]
+
+
+def test_the_fields_read_from_the_loop_each_send_a_step_to_vllm() -> None:
+    """EXTRAS (what compat.py checks at start) is read from the loop's own condition once, at
+    import; read again here, so that how it is read is tested too: every field it names, set,
+    sends a step to vLLM's path, and the two fields a plain step carries are not among them."""
+    fields = _fields_tested(FastOutputs._process_outputs)
+    assert fields == EXTRAS
+    assert len(fields) == len(set(fields)) >= 14
+    assert not {"request_id", "new_token_ids"} & set(fields)
+    for field in fields:
+        run = Registered("a")
+        run.step(core_output("a", [5], **{field: 0}), stats=iteration())
+        assert run.processor.calls[0][0] == ["a"], field
