@@ -188,10 +188,10 @@ async def test_a_stream_counts_as_stalled_only_while_a_message_waits_for_its_cli
     assert flight.stalled_since() is None
 
 
-async def test_a_message_before_the_first_step_waits_for_its_client_as_any_other() -> None:
-    """What a stream says before the engine's first step (the native contract's prompt_info)
-    counts as stalled while the client has not taken it; once taken, the stream waits for the
-    engine (a long prompt's prefill), which is no stall."""
+async def test_a_stream_waiting_for_its_first_step_is_not_stalled() -> None:
+    """A stream whose engine has not made its first step yet (a long prompt's prefill) has
+    said nothing and waits for the engine, which is no stall; its first message, once handed
+    to gRPC, counts as stalled until the client takes it."""
     prefilled = asyncio.Event()
 
     async def prefilling() -> Any:
@@ -200,17 +200,15 @@ async def test_a_message_before_the_first_step_waits_for_its_client_as_any_other
 
     flight = Flight("r", None)
     flight.begin(prefilling())
-    said: list[Any] = ["prompt info"]
-    messages = flight.messages(render, before=said)
-    before = time.monotonic()
-    assert await messages.__anext__() == "prompt info"
-    since = flight.stalled_since()
-    assert since is not None and before <= since <= time.monotonic()
-    first = asyncio.ensure_future(messages.__anext__())  # the client took it
+    messages = flight.messages(render)
+    first = asyncio.ensure_future(messages.__anext__())
     await asyncio.sleep(0)
     assert not first.done() and flight.stalled_since() is None
     prefilled.set()
+    before = time.monotonic()
     assert await asyncio.wait_for(first, 1) == ([1], 5, 1, 2)
+    since = flight.stalled_since()
+    assert since is not None and before <= since <= time.monotonic()
     assert [m async for m in messages] == []
     assert flight.stalled_since() is None
 

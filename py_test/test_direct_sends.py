@@ -124,9 +124,8 @@ async def test_every_contracts_stream_is_the_same_with_direct_sends(
     for name, streams in seen.items():
         assert streams == reference, name
     # 120 tokens, 3 finishes, and a gap before every message but each stream's first (the
-    # vllm.grpc.engine stream ends in two messages; the native one's prompt_info goes before
-    # the engine's first step, outside the timing histograms).
-    assert all(c == [3 * 40, 3, 39 + 40 + 39] for c in counted.values()), counted
+    # vllm.grpc.engine stream ends in two messages, the native one starts with two).
+    assert all(c == [3 * 40, 3, 39 + 40 + 40] for c in counted.values()), counted
     # Each stream's first and last step go through its task; every decode step between
     # them went straight from the engine's loop (the mock offers each of its 38).
     assert sent == {"grpcio": 0, "native, from the handler": 0, "native, direct": 3 * 38}

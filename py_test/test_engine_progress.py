@@ -5,11 +5,14 @@ paused engine is never judged; and health watches that end with OK when the serv
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import time
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
+from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vpb_grpc
 
 from vllm_router.core.progress import StallLimits, StallStage, silent_for
 from vllm_router.proto import vllm_native_pb2 as npb
@@ -20,7 +23,7 @@ from vllm_router.server.config import StartupError
 from vllm_router.server.health_service import LIVENESS
 from vllm_router.server.registry import CONTRACTS
 
-from harness import Harness, StartServer, read_rest, request, scrape, wait_until
+from harness import Harness, StartServer, read_rest, request, require, scrape, wait_until
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -145,6 +148,57 @@ async def test_a_stuck_engine_fails_every_request_and_the_worker(start_mock: Sta
     assert not harness.server.requests.in_flight
     assert (await _stalls(harness))["failed"] == 1
     assert harness.server.exit_code == 1  # the process exits non-zero: its supervisor restarts it
+
+
+@pytest.mark.parametrize("transport", ["grpcio", "native"])
+async def test_a_stream_says_nothing_before_the_engines_first_step(
+    start_mock: StartServer, transport: str
+) -> None:
+    """A stream the engine has not answered yet has sent nothing, on every contract: when the
+    worker then fails, a router retries it on another worker (it cannot retry a stream that
+    has begun: vllm-router passed a hung worker's error on to clients whose native stream
+    had received only prompt_info). Once the engine steps again, each stream is whole."""
+    if transport == "native":
+        require(
+            importlib.util.find_spec("pygrpc_native") is not None,
+            "pygrpc-native is not installed (make test installs it)",
+        )
+    harness = await start_mock(
+        _config(transport=transport), step_delay=0.005, stall_after_tokens=10, stall_seconds=STALL
+    )
+    first = harness.stub.GenerateStream(request([10], max_tokens=30))
+    await first.read()
+    await wait_until(lambda: harness.engine._stalled_until is not None, timeout=2)
+    native_request = _native([10, 11, 12], 5)
+    native_request.response.output_token_ids = True
+    smg_request = vpb.GenerateRequest(
+        tokenized=vpb.TokenizedInput(input_ids=[10, 11]),
+        sampling_params=vpb.SamplingParams(max_tokens=5),
+        stream=True,
+    )
+    calls = {
+        "vllm.Inference": npb_grpc.InferenceStub(harness.channel).GenerateStream(native_request),
+        "vllm.engine.v1": harness.stub.GenerateStream(request([10], max_tokens=5)),
+        "vllm.grpc.engine": vpb_grpc.VllmEngineStub(harness.channel).Generate(smg_request),
+    }
+    heard: dict[str, list] = {name: [] for name in calls}
+
+    async def listen(name: str) -> None:
+        async for message in calls[name]:
+            heard[name].append(message)
+
+    listeners = [asyncio.create_task(listen(name)) for name in calls]
+    await wait_until(lambda: len(harness.server.requests.in_flight) == 4, timeout=2)
+    await asyncio.sleep(TIMEOUT / 2)  # the engine still stalled, under the first limit
+    assert harness.engine._stalled_until is not None
+    assert heard == {name: [] for name in calls}
+    await asyncio.wait_for(asyncio.gather(*listeners), STALL + 5)
+    native = heard["vllm.Inference"]
+    assert native[0].prompt_info.num_prompt_tokens == 3 and not native[0].HasField("outputs")
+    assert [len(m.outputs.token_ids) for m in native[1:]] == [1] * 5
+    assert sum(len(m.token_ids) for m in heard["vllm.engine.v1"]) == 5
+    assert heard["vllm.grpc.engine"][-1].HasField("complete")
+    assert sum(len(m.chunk.token_ids) for m in heard["vllm.grpc.engine"]) == 5
 
 
 @pytest.mark.parametrize("recovers", [True, False], ids=["recovers", "stays-stuck"])

@@ -126,12 +126,10 @@ class Flight:
             yield step
 
     async def messages(
-        self, render: Callable[[EngineStep], Sequence[Message]], before: Sequence[Message] = ()
+        self, render: Callable[[EngineStep], Sequence[Message]]
     ) -> AsyncIterator[Message]:
         """The messages `render` makes of each step, as a stream handler yields them to gRPC
-        (the direct send's renderer makes the same message of a plain step); `before`, what
-        the stream says before the engine's first step (not a token: the timing histograms
-        start at the first step's message).
+        (the direct send's renderer makes the same message of a plain step).
 
         The generator resumes once gRPC has sent a message; a client that stops reading
         keeps it suspended at the yield, which the stall watchdog sees
@@ -139,11 +137,6 @@ class Flight:
         through `steps()`: one async-generator layer less per token.
         """
         assert self._engine_steps is not None, "the flight has not started in the engine"
-        for message in before:
-            if self.send_clock is None:
-                self.sending_since = time.monotonic()
-            yield message
-            self.sending_since = None
         async for step in self._engine_steps:
             self._record(step)
             self._last_step = step

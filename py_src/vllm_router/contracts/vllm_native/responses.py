@@ -86,15 +86,6 @@ def prompt_info(
     return npb.GenerateResponse(prompt_info=info)
 
 
-def prompt_info_of(prompt_ids: list[int], wanted: Wanted) -> npb.GenerateResponse:
-    """`prompt_info` before the engine's first step: a token prompt's size and ids (no
-    scores: those come with the first step)."""
-    info = npb.PromptInfo(num_prompt_tokens=len(prompt_ids))
-    if wanted.prompt_token_ids:
-        info.token_ids.extend(prompt_ids)
-    return npb.GenerateResponse(prompt_info=info)
-
-
 def finish_info(step: EngineStep, eos_ids: frozenset[int]) -> npb.FinishInfo:
     if step.finish_reason == "error":
         # vllm-rs fails the stream; a router retries elsewhere.

@@ -60,30 +60,21 @@ class NativeInferenceServicer(ContractServicer, npb_grpc.InferenceServicer):
         with convert.sequences_first(request, metadata, self._engine.facts):
             generation = await self._generation(request, metadata)
             wanted = Wanted.of(request.response)
-            prompt_ids = generation.prompt_token_ids
-            # The prompt's facts, when they need nothing from the engine (its size known here,
-            # no prompt scores), go before the engine's first step rather than with it: the
-            # first token is then the only message of that step (a native stream takes one
-            # message at a time from its handler; a second one right behind the first waits).
-            before = (
-                [responses.prompt_info_of(prompt_ids, wanted)]
-                if prompt_ids is not None
-                and not wanted.prompt_logprobs
-                and not (generation.media or generation.processed_media)
-                else []
-            )
-            render = self._stream_renderer(wanted, prompt_ids, sent_info=bool(before))
+            # prompt_info goes with the engine's first step, as vllm-rs sends it, not before:
+            # a stream that has said nothing when its worker fails is one a router retries
+            # on another worker (test_e2e_router_faults.py's hung worker).
+            render = self._stream_renderer(wanted, generation.prompt_token_ids)
             direct_send = self._direct_send(context, responses.direct_step_renderer(wanted))
             async with self._requests.run(generation, direct_send=direct_send) as flight:
-                async for message in flight.messages(render, before):
+                async for message in flight.messages(render):
                     yield message
 
     def _stream_renderer(
-        self, wanted: Wanted, prompt_ids: list[int] | None, *, sent_info: bool = False
+        self, wanted: Wanted, prompt_ids: list[int] | None
     ) -> Callable[[EngineStep], list[npb.GenerateResponse]]:
-        """As vllm-rs: the prompt's facts in a message of their own first (unless already
-        sent, `sent_info`), then one message per sequence per engine step."""
-        first = not sent_info
+        """As vllm-rs: the prompt's facts in a message of their own first, then one message
+        per sequence per engine step."""
+        first = True
         eos = self._eos
 
         def render(step: EngineStep) -> list[npb.GenerateResponse]:
