@@ -23,6 +23,7 @@ import urllib.request
 from pathlib import Path
 
 import clients
+import timeline
 from procstat import CpuWindow, rss_mb
 from report import write_results
 from workload import Workload, add_cpu, summarize
@@ -230,9 +231,17 @@ def _http_ok(url: str) -> bool:
         return response.status == 200
 
 
-def _spawn(target: str, args: argparse.Namespace, port: int) -> subprocess.Popen:
+def _spawn(
+    target: str, args: argparse.Namespace, port: int, marks: Path | None = None
+) -> subprocess.Popen:
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
            **TARGET_ENV.get(target, {})}  # fmt: skip
+    if marks is not None:  # --timeline: its processes (engine core included) record marks
+        marks.mkdir(parents=True)
+        env["BENCH_TIMELINE_DIR"] = str(marks)
+        env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (str(timeline.PROBE), env.get("PYTHONPATH")) if p
+        )
     with open(args.out / f"{target}.log", "w") as log:
         return subprocess.Popen(
             command(target, args.model, port, args.max_model_len), stdout=log, stderr=log, env=env
@@ -294,7 +303,8 @@ async def measure_server(
     address = f"127.0.0.1:{port}"
     base, variant = split_target(target)
     worker = SAME_SERVER.get(base, base) + variant
-    process = _spawn(worker, args, port)
+    marks = args.out / "timeline" / f"{target}-{time.monotonic_ns()}" if args.timeline else None
+    process = _spawn(worker, args, port, marks)
     router: subprocess.Popen | None = None
     try:
         await wait_ready(worker, address, process, timeout=300)
@@ -317,6 +327,9 @@ async def measure_server(
             finally:
                 await close()
             result = summarize(target, workload, records, wall)
+            if marks is not None:
+                await asyncio.sleep(1.5)  # the probe writes its marks every 0.5 s
+                result["timeline"] = timeline.per_request(records, timeline.read_marks(marks))
             add_cpu(result, seconds[0], rss_mb(process.pid))
             result["stream_interval"] = STREAM_INTERVAL.get(base, 1)
             if router is not None:
@@ -396,6 +409,14 @@ async def run(args: argparse.Namespace) -> None:
                 measured = await measure_server(target, args, levels)
             results += [{**result, "round": round_} for result in measured]
     write_results(results, args.out, report_order(args.targets))
+    if args.timeline:
+        rounds: dict[str, list[dict[str, float]]] = {}
+        for result in results:
+            if "timeline" in result:
+                rounds.setdefault(result["target"], []).append(result["timeline"])
+        text = timeline.table(rounds)
+        (args.out / "timeline.md").write_text(text + "\n")
+        print("\nFirst-token timeline (ms after the client's send; medians):\n" + text)
 
 
 def main() -> None:
@@ -430,6 +451,12 @@ def main() -> None:
         "detokenizes itself would, and as vLLM's --grpc launcher always does)",
     )
     parser.add_argument("--out", type=Path, default=HERE / "runs")
+    parser.add_argument(
+        "--timeline",
+        action="store_true",
+        help="the first token's timeline per target, stage by stage (front end and engine "
+        "core marks on one clock; see timeline.py): at concurrency 1 only",
+    )
     args = parser.parse_args()
     args.targets = [t for t in args.targets.split(",") if t]
     unknown = {
@@ -441,6 +468,8 @@ def main() -> None:
     if unknown:
         parser.error(f"unknown targets {sorted(unknown)}; choose from {', '.join(TARGETS)}")
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
+    if args.timeline:
+        args.concurrency = [1]  # a mark belongs to the one request in flight
     args.output_lens = [int(n) for n in args.output_lens.split(",")]
     args.out.mkdir(parents=True, exist_ok=True)
     if not args.model:

@@ -40,8 +40,12 @@ class Record:
     message_times: list[float] = field(default_factory=list)
     message_tokens: list[int] = field(default_factory=list)
     error: str | None = None
+    # The first message of any kind (the native contract's first is prompt_info, no token).
+    first_message_at: float | None = None
 
     def message(self, n_tokens: int) -> None:
+        if self.first_message_at is None:
+            self.first_message_at = time.perf_counter()
         if n_tokens:
             self.message_times.append(time.perf_counter())
             self.message_tokens.append(n_tokens)

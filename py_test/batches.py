@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections import defaultdict
 from collections.abc import AsyncIterator
-from typing import TypeAlias
+from typing import Any, TypeAlias
 
 import grpc
 
@@ -97,6 +97,21 @@ async def read_all(call: Call, answers: Answers) -> None:
     """Read to the end (with read(): a call may not mix it with iteration)."""
     while (message := await call.read()) is not grpc.aio.EOF:
         answers.take(message)
+
+
+async def run_batch(stub: Any, lengths: dict[str, int], *, compact: bool) -> Answers:
+    """One GenerateBatch of token-id requests (request `i`'s prompt is [100 * (i + 1)], its
+    length `lengths[id]`), read to its end, which must be OK with no request's error."""
+    call = stub.GenerateBatch(
+        [
+            generate([100 * (i + 1)], rid, max_tokens=n, skip_detokenize=True, compact=compact)
+            for i, (rid, n) in enumerate(lengths.items())
+        ]
+    )
+    answers = Answers()
+    await read_all(call, answers)
+    assert await call.code() == grpc.StatusCode.OK and answers.errors == {}
+    return answers
 
 
 async def until_ended(call: Call, answers: Answers, *request_ids: str) -> None:

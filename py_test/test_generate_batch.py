@@ -11,7 +11,7 @@ import asyncio
 
 import grpc
 import pytest
-from batches import Answers, Requests, generate, read_all, until_ended
+from batches import Answers, Requests, generate, read_all, run_batch, until_ended
 
 from vllm_router.proto import vllm_engine_pb2 as pb
 from vllm_router.server import ServerConfig
@@ -243,15 +243,7 @@ async def test_decode_steps_handed_over_by_the_engine_keep_every_token_in_order(
     harness = await start_mock(ServerConfig(port=0, metrics_port=0), step_delay=0.002)
     before = await scrape(harness.metrics_url)
     lengths = {f"r{i}": 20 + 7 * i for i in range(8)}
-    call = harness.stub.GenerateBatch(
-        [
-            generate([100 * (i + 1)], rid, max_tokens=n, skip_detokenize=True, compact=compact)
-            for i, (rid, n) in enumerate(lengths.items())
-        ]
-    )
-    answers = Answers()
-    await read_all(call, answers)
-    assert await call.code() == grpc.StatusCode.OK and answers.errors == {}
+    answers = await run_batch(harness.stub, lengths, compact=compact)
     handed_over = 0
     for i, (rid, n) in enumerate(lengths.items()):
         assert answers.tokens(rid) == [100 * (i + 1) + 1 + k for k in range(n)], rid

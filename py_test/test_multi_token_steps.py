@@ -11,9 +11,8 @@ import itertools
 import time
 from typing import Any
 
-import grpc
 import pytest
-from batches import Answers, generate, read_all
+from batches import run_batch
 from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vpb_grpc
 from test_direct_sends import _all_ended
@@ -175,15 +174,7 @@ async def test_multi_token_steps_handed_to_batched_streams_lanes_count_every_tok
     )
     before = await scrape(harness.metrics_url)
     lengths = {f"r{i}": 20 + 7 * i for i in range(6)}
-    call = harness.stub.GenerateBatch(
-        [
-            generate([100 * (i + 1)], rid, max_tokens=n, skip_detokenize=True, compact=compact)
-            for i, (rid, n) in enumerate(lengths.items())
-        ]
-    )
-    answers = Answers()
-    await read_all(call, answers)
-    assert await call.code() == grpc.StatusCode.OK and answers.errors == {}
+    answers = await run_batch(harness.stub, lengths, compact=compact)
     handed_over = 0
     for i, (rid, n) in enumerate(lengths.items()):
         assert answers.tokens(rid) == [100 * (i + 1) + 1 + k for k in range(n)], rid
