@@ -16,7 +16,12 @@ runs no fixture teardown. conftest's pytest_configure calls `tie_processes_to_ru
   left, SIGKILLs those left GRACE seconds later, and lists on stderr what it had to end:
   nothing, when fixture teardown has run;
 - SIGTERM to pytest ends the run as Ctrl-C does (fixture teardown runs); a second SIGTERM
-  ends it at once, the watcher cleaning up.
+  ends it at once, the watcher cleaning up;
+- then the watcher removes the shared memory the run left in /dev/shm: vLLM's message-queue
+  rings (`psm_*`, up to 240 MB each) and multiprocessing's semaphores (`sem.mp-*`) created
+  since the run began that no process maps any more. vLLM unlinks them in its own teardown
+  only, and the fault tests SIGKILL engine cores on purpose (four engines' rings, 1.6 GB of
+  memory, were left by each run before). What any live process maps is never touched.
 
 Not a parent-death signal (PR_SET_PDEATHSIG): it fires when the *thread* that started the
 child ends, and the routers are started from worker threads (routers.in_thread).
@@ -43,6 +48,8 @@ GRACE = float(os.environ.get("VLLM_SERVICER_REAPER_GRACE", "5"))  # SIGTERM..SIG
 SETTLE = 2.0  # seconds
 LEFT_RUNNING = "it left these running, ended now:"  # the watcher's report, when it ends any
 _watcher: list[subprocess.Popen] = []  # held, so it is never collected (and warned about)
+SHARED_MEMORY_DIR = Path("/dev/shm")
+SHARED_MEMORY = ("psm_", "sem.mp-")  # vLLM's rings, multiprocessing's named semaphores
 
 
 def _run_ids(environ: bytes) -> list[str]:
@@ -195,7 +202,32 @@ def end_run(run: str, grace: float = GRACE) -> dict[int, str]:
     return ended
 
 
+def release_shared_memory(since: float, directory: Path = SHARED_MEMORY_DIR) -> list[str]:
+    """Remove the shared-memory objects of `SHARED_MEMORY`'s kinds in `directory` created
+    since `since` (time.time()) that no process maps; their names."""
+    if not directory.is_dir():
+        return []
+    mapped: set[str] = set()
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError), open(f"/proc/{entry.name}/maps") as maps:
+                for line in maps:
+                    _, found, rest = line.partition(f"{directory}/")
+                    if found:
+                        mapped.add(rest.split()[0])
+    removed = []
+    for entry in os.scandir(directory):
+        if not entry.name.startswith(SHARED_MEMORY) or entry.name in mapped:
+            continue
+        with contextlib.suppress(OSError):
+            if entry.stat().st_mtime >= since:
+                os.unlink(entry.path)
+                removed.append(entry.name)
+    return sorted(removed)
+
+
 def _watch(run: str, read_end: int, parent: int) -> None:
+    began = time.time()
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
     # EOF: every holder of the write end (pytest only) is gone. Reparented: pytest is gone
@@ -206,6 +238,7 @@ def _watch(run: str, read_end: int, parent: int) -> None:
     if ended:
         listed = "".join(f"\n  {pid} {how}" for pid, how in sorted(ended.items()))
         print(f"test run {run} is over; {LEFT_RUNNING}{listed}", file=sys.stderr)
+    release_shared_memory(began)
 
 
 if __name__ == "__main__":

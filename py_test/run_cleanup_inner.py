@@ -22,7 +22,7 @@ import pytest
 
 import routers
 import servers
-from reaper import RUN
+from reaper import RUN, SHARED_MEMORY_DIR
 
 if "RUN_CLEANUP_OUT" not in os.environ:
     pytest.skip("the inner run of test_run_cleanup.py", allow_module_level=True)
@@ -111,9 +111,13 @@ async def test_hold(
         "forked engine core": forked_engine_core,
         "stubborn": stubborn,
     }
+    run = os.environ[RUN].split(":")[-1]
+    # What an engine core ended by SIGKILL leaves: its ring, which no process maps.
+    ring = SHARED_MEMORY_DIR / f"psm_run_cleanup_{run}"
+    ring.write_bytes(b"\0" * 4096)
     out = Path(os.environ["RUN_CLEANUP_OUT"])
     part = out.with_suffix(".part")
-    part.write_text(json.dumps({"run": os.environ[RUN].split(":")[-1], "pids": pids}))
+    part.write_text(json.dumps({"run": run, "pids": pids, "ring": str(ring)}))
     part.rename(out)  # whole, or not there
     how = os.environ["RUN_CLEANUP_HOW"]
     assert how != "fails", "this run fails on purpose"

@@ -10,6 +10,7 @@ start together (their start-up is most of the time); each case ends its own.
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import signal
 import subprocess
@@ -22,7 +23,7 @@ from typing import Any
 import psutil
 import pytest
 
-from reaper import LEFT_RUNNING, RUN
+from reaper import LEFT_RUNNING, RUN, SHARED_MEMORY_DIR
 
 HERE = Path(__file__).resolve().parent
 INNER = HERE / "run_cleanup_inner.py"
@@ -141,6 +142,11 @@ def test_a_run_leaves_no_process_behind(how: str, inner_runs: dict[str, InnerRun
     run = inner_runs[how]
     record = run.started()
     run_id, pids = record["run"], record["pids"]
+    # A ring this process maps, made during the inner run: live, so never the run's to remove.
+    live = SHARED_MEMORY_DIR / f"psm_run_cleanup_live_{run_id}"
+    live.write_bytes(b"\0" * 4096)
+    with open(live, "r+b") as file:
+        mapping = mmap.mmap(file.fileno(), 4096)
     sig, group, exit_code = ENDINGS[how]
     if sig is not None:
         up = {process.pid for process in carrying(run_id)}
@@ -158,6 +164,13 @@ def test_a_run_leaves_no_process_behind(how: str, inner_runs: dict[str, InnerRun
             remaining = {name: pid for name, pid in pids.items() if alive(pid)}
             pytest.fail(f"{how}: left {left} {remaining}\n{run.output()}")
         time.sleep(0.1)
+
+    # The run's leftover shared memory is gone once its watcher is (it carries the run's id);
+    # what a live process maps is still there.
+    assert not Path(record["ring"]).exists(), run.output()
+    assert live.exists()
+    mapping.close()
+    live.unlink()
 
     output = run.output()
     if exit_code >= 0:
