@@ -56,9 +56,9 @@ def _install() -> None:
     path = os.path.join(_DIR, f"marks-{os.getpid()}.jsonl")
 
     def flush() -> None:
-        with lock:
+        with lock:  # the flusher thread and atexit
             taken = marks[:]
-            del marks[:]
+            del marks[: len(taken)]  # not what was appended since the copy
         if taken:
             with open(path, "a") as out:
                 out.writelines(json.dumps({"kind": k, "at": t}) + "\n" for k, t in taken)
